@@ -1,0 +1,1 @@
+from lck_runtime.pytest_plugin import pytest_collection_modifyitems, pytest_configure  # noqa: F401

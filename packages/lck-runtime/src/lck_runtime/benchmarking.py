@@ -1,0 +1,268 @@
+"""Shared pieces of every layer's benchmark: timing, memory, provenance, result files, a progress bar.
+
+Timing uses CUDA events around each call (after a warm-up), with fixed iteration counts so that
+collective benchmarks stay in lock step across ranks (``triton.testing.do_bench`` picks a repeat
+count per process, which hangs collectives). Results go to ``<out>/<stem>.json`` and ``.csv`` with
+provenance (GPU, driver, torch, triton, commit, date), and a PNG when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Record:
+    """One measurement: a provider running one case."""
+
+    bench: str  # e.g. "rms_norm"
+    provider: str  # e.g. "lck", "torch", "torch_compile", "liger"
+    mode: str  # "fwd", "fwd_bwd", ...
+    shape: str  # human-readable case, e.g. "16384x4096"
+    dtype: str
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    peak_mib: float | None = None  # peak allocated during the call, above what was live before it
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _git_commit() -> str | None:
+    if os.environ.get("LCK_COMMIT"):
+        return os.environ["LCK_COMMIT"]
+    git = shutil.which("git")
+    if not git:
+        return None
+    try:
+        out = subprocess.run([git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run([git, "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def provenance() -> dict[str, Any]:
+    """GPU, driver, library versions, commit and date of the run."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(
+            gpu=p.name,
+            gpu_count=torch.cuda.device_count(),
+            sms=p.multi_processor_count,
+            capability=f"{p.major}.{p.minor}",
+        )
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            info["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    else:
+        info.update(gpu=None, driver=None)
+    for env in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        if env in os.environ:
+            info.setdefault("env", {})[env] = os.environ[env]
+    return info
+
+
+def gpu_slug() -> str:
+    """A file-name-safe GPU name, e.g. ``h200``; ``cpu`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip()
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").split("-")[0] or "gpu"
+
+
+def time_cuda(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 5,
+    iters: int = 30,
+    setup: Callable[[], Any] | None = None,
+    barrier: Callable[[], None] | None = None,
+) -> list[float]:
+    """Milliseconds per call of ``fn``, measured with CUDA events, one pair per call.
+
+    ``setup`` runs before each call outside the timed region (e.g. zeroing grads). ``barrier`` runs
+    before each timed call, after a device sync, to keep collective benchmarks in lock step. The
+    iteration counts are fixed, never adaptive, so every rank runs exactly the same sequence.
+    """
+    import torch
+
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        if setup is not None:
+            setup()
+        if barrier is not None:
+            torch.cuda.synchronize()
+            barrier()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def summarize(times: Sequence[float]) -> dict[str, float]:
+    ts = sorted(times)
+    q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]
+    return {"median_ms": statistics.median(ts), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+
+
+def peak_memory_mib(fn: Callable[[], Any]) -> float:
+    """Peak CUDA memory allocated while ``fn`` runs, above what was allocated before it (MiB)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+class Progress:
+    """A dependency-free progress bar on stderr (one line, rewritten in place when a TTY)."""
+
+    def __init__(self, total: int, label: str = ""):
+        self.total, self.label, self.done, self.t0 = max(total, 1), label, 0, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        line = f"{self.label} [{bar}] {self.done}/{self.total} {time.monotonic() - self.t0:5.0f}s {note}"
+        if self.tty:
+            sys.stderr.write("\r" + line[:160].ljust(160))
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def write_results(
+    records: Iterable[Record],
+    out_dir: str | os.PathLike[str],
+    stem: str,
+    *,
+    meta: dict[str, Any] | None = None,
+    plot: Callable[[list[Record], Path], None] | None = None,
+) -> dict[str, Path]:
+    """Write ``<stem>.json`` (provenance + records), ``<stem>.csv`` and, if given, ``<stem>.png``."""
+    recs = list(records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "csv": out / f"{stem}.csv"}
+    payload = {"provenance": provenance(), "meta": meta or {}, "records": [asdict(r) for r in recs]}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    cols = [
+        "bench",
+        "provider",
+        "mode",
+        "shape",
+        "dtype",
+        "median_ms",
+        "p20_ms",
+        "p80_ms",
+        "peak_mib",
+        "error",
+    ]
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*cols, "extra"])
+        for r in recs:
+            d = asdict(r)
+            w.writerow([d[c] for c in cols] + [json.dumps(d["extra"], default=str) if d["extra"] else ""])
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+        except ImportError:
+            print("benchmark: matplotlib not installed, no PNG written", file=sys.stderr)
+        else:
+            paths["png"] = out / f"{stem}.png"
+            plot(recs, paths["png"])
+    return paths
+
+
+def bar_plot(recs: list[Record], path: Path, *, title: str, value: str = "median_ms") -> None:
+    """One panel per (bench, mode); grouped bars per shape, one bar per provider."""
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.bench, r.mode) for r in recs})
+    cols = min(3, len(panels)) or 1
+    rows = (len(panels) + cols - 1) // cols or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, (bench, mode) in zip(axes.flat, panels):
+        sub = [r for r in recs if r.bench == bench and r.mode == mode and getattr(r, value) is not None]
+        shapes = list(dict.fromkeys(r.shape for r in sub))
+        providers = list(dict.fromkeys(r.provider for r in sub))
+        w = 0.8 / max(len(providers), 1)
+        for i, prov in enumerate(providers):
+            xs, ys = [], []
+            for j, s in enumerate(shapes):
+                hit = [getattr(r, value) for r in sub if r.provider == prov and r.shape == s]
+                if hit:
+                    xs.append(j + i * w)
+                    ys.append(hit[0])
+            ax.bar(xs, ys, width=w, label=prov)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{bench} {mode}")
+        ax.set_ylabel("ms (median)" if value == "median_ms" else value)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

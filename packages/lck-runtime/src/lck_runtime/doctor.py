@@ -1,0 +1,143 @@
+"""Report the GPU(s), toolchain, NVSHMEM and installed lck layers on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+from importlib import metadata
+from typing import Any
+
+from lck_runtime.paths import jit_cache_dir
+
+LAYERS = ("lck", "lck-runtime", "lck-kernels", "lck-ep", "lck-megatron")
+# Architectures the native (NVSHMEM + JIT) paths are built for; others use torch.distributed paths.
+NATIVE_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_100a"}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def nvcc_info() -> dict[str, Any]:
+    from lck_runtime.toolchain import find_nvcc  # local import: keeps `lck --help` fast
+
+    path = find_nvcc()
+    if path is None:
+        return {"path": None, "version": None}
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
+    return {"path": path, "version": m.group(2) if m else out.strip().splitlines()[-1]}
+
+
+def gpu_info() -> list[dict[str, Any]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        cap = (p.major, p.minor)
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "capability": f"{p.major}.{p.minor}",
+                "sms": p.multi_processor_count,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "native_target": NATIVE_ARCHS.get(cap),
+            }
+        )
+    return gpus
+
+
+def nvshmem_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "nvshmem4py": _version("nvshmem4py-cu13"),
+        "library": _version("nvidia-nvshmem-cu13"),
+    }
+    try:
+        import nvshmem.core as nvshmem  # noqa: F401  (import needs no GPU)
+
+        info["importable"] = True
+    except Exception as exc:
+        info["importable"] = False
+        info["import_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def collect() -> dict[str, Any]:
+    import torch
+
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "megatron_core": _version("megatron-core"),
+        "gpus": gpu_info(),
+        "nvcc": nvcc_info(),
+        "nvshmem": nvshmem_info(),
+        "layers": {name: _version(name) for name in LAYERS},
+        "jit_cache_dir": str(jit_cache_dir("LCK")),
+        "ep_jit_cache_dir": str(jit_cache_dir("EP")),
+    }
+    if torch.cuda.is_available():
+        report["driver"] = _driver_version()
+    return report
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    out = subprocess.run(
+        [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _render(r: dict[str, Any]) -> str:
+    lines = [f"torch        {r['torch']} (CUDA {r['torch_cuda'] or 'none'})", f"triton       {r['triton']}"]
+    if r["gpus"]:
+        for g in r["gpus"]:
+            native = g["native_target"] or "not a native target: torch.distributed paths"
+            lines.append(
+                f"GPU {g['index']}        {g['name']}, sm_{g['capability'].replace('.', '')}, {g['sms']} SMs, "
+                f"{g['memory_gib']} GiB ({native})"
+            )
+        lines.append(f"driver       {r.get('driver')}")
+    else:
+        lines.append("GPU          none visible: kernels run only under TRITON_INTERPRET=1, comms over gloo")
+    nv = r["nvcc"]
+    lines.append(
+        f"nvcc         {nv['version']} at {nv['path']}" if nv["path"] else "nvcc         not found (JIT off)"
+    )
+    sh = r["nvshmem"]
+    state = "importable" if sh.get("importable") else f"not importable ({sh.get('import_error')})"
+    lines.append(f"NVSHMEM      nvshmem4py {sh['nvshmem4py']}, libnvshmem {sh['library']}, {state}")
+    lines.append(f"megatron     {r['megatron_core'] or 'not installed'}")
+    lines.append("layers       " + ", ".join(f"{k} {v}" for k, v in r["layers"].items() if v) or "none")
+    missing = [k for k, v in r["layers"].items() if not v and k != "lck"]
+    if missing:
+        lines.append(f"not installed {', '.join(missing)}")
+    lines.append(f"JIT cache    {r['jit_cache_dir']} (lck-ep: {r['ep_jit_cache_dir']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Report GPUs, toolchain, NVSHMEM, installed layers and the JIT cache."""
+    parser = argparse.ArgumentParser(prog="lck doctor", description=main.__doc__)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else _render(report))
+    return 0

@@ -1,0 +1,158 @@
+"""Real multi-process runs for tests and benchmarks: one process per rank over a file store.
+
+``run_workers(fn, world_size)`` spawns ``world_size`` fresh interpreters, initialises
+``torch.distributed`` in each (gloo on CPU, NCCL when ``backend="nccl"``, one GPU per rank), calls
+``fn(rank, world_size, *args)`` and returns the per-rank results. Every join is bounded: a rank that
+hangs fails the call with a :class:`WorkerTimeout` naming it instead of stalling the whole run, and a
+rank that raises re-raises here as :class:`WorkerError` carrying each failing rank's traceback.
+``fn`` must be importable by module path (a top-level function of a test module is).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank → (exception type name, message, traceback)."""
+
+    def __init__(self, errors: dict[int, tuple[str, str, str]]):
+        self.errors = errors
+        parts = [f"rank {r}: {name}: {msg}\n{tb}" for r, (name, msg, tb) in sorted(errors.items())]
+        super().__init__(f"{len(errors)} rank(s) failed:\n" + "\n".join(parts))
+
+    def messages(self) -> dict[int, str]:
+        return {r: f"{name}: {msg}" for r, (name, msg, _) in self.errors.items()}
+
+
+class WorkerTimeout(RuntimeError):
+    """Some ranks did not finish within the timeout."""
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    backend: str,
+    env: dict[str, str],
+    args: Sequence[Any],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("LCK_TEST_RANK", str(rank))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=float(env.get("LCK_TEST_PG_TIMEOUT", "120"))),
+            **kwargs,
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        results.put((rank, True, out))
+    except BaseException as exc:  # report everything, including SystemExit from a test helper
+        results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    Raises :class:`WorkerError` if any rank raised (after all ranks ended or the timeout passed) and
+    :class:`WorkerTimeout` if some rank neither returned nor raised within ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_workers: world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_workers: backend must be 'gloo' or 'nccl', got {backend!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="lck-pg-")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    child_env = {k: v for k, v in (env or {}).items()}
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, init_file, backend, child_env, args, results),
+            name=f"lck-rank{r}",
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outs: dict[int, Any] = {}
+    errors: dict[int, tuple[str, str, str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if not p.is_alive() and r not in outs and r not in errors
+                ]
+                # A rank that died without reporting (segfault, os._exit) is an error, not a hang.
+                for r in dead:
+                    time.sleep(0.5)  # its report may still be in flight
+                    try:
+                        while True:
+                            rr, ok2, pl = results.get_nowait()
+                            (outs if ok2 else errors)[rr] = pl
+                    except queue.Empty:
+                        pass
+                    if r not in outs and r not in errors:
+                        errors[r] = ("ProcessDied", f"exit code {procs[r].exitcode}", "")
+                continue
+            (outs if ok else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        try:
+            os.unlink(init_file)
+        except OSError:
+            pass
+    missing = [r for r in range(world_size) if r not in outs and r not in errors]
+    if errors:
+        raise WorkerError(errors)
+    if missing or (stuck and len(outs) < world_size):
+        raise WorkerTimeout(f"ranks {missing or stuck} did not finish within {timeout:.0f} s")
+    return [outs[r] for r in range(world_size)]

@@ -1,0 +1,64 @@
+"""The lck CLI core: entry-point discovery, doctor, bench dispatch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lck_runtime import cli, doctor
+
+
+def test_help_lists_doctor(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "doctor" in out and "usage: lck" in out
+
+
+def test_no_arguments_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "usage: lck" in capsys.readouterr().out
+
+
+def test_unknown_command_names_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["frobnicate"]) == 2
+    assert "'frobnicate'" in capsys.readouterr().err
+
+
+def test_doctor_json_reports_what_a_user_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("torch", "triton", "gpus", "nvcc", "nvshmem", "layers", "jit_cache_dir"):
+        assert key in report, key
+    assert report["layers"]["lck-runtime"] is not None
+    assert isinstance(report["gpus"], list)
+
+
+def test_doctor_text_mentions_nvshmem_and_cache() -> None:
+    text = doctor._render(doctor.collect())
+    assert "NVSHMEM" in text and "JIT cache" in text and "torch" in text
+
+
+def test_jit_cache_dir_follows_prefix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from lck_runtime.paths import jit_cache_dir
+
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "ep"))
+    monkeypatch.delenv("LCK_JIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jit_cache_dir("EP") == tmp_path / "ep"
+    assert jit_cache_dir("LCK") == tmp_path / "xdg" / "lck" / "jit" / "lck"
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "lck_runtime.cli", "doctor"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "layers" in out.stdout
+
+
+def test_bench_unknown_layer(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.bench(["no-such-layer"]) == 2
+    assert "no-such-layer" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""run_workers: real processes, errors carried back per rank, hangs bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lck_runtime.testing import WorkerError, WorkerTimeout, run_workers
+
+
+def _allreduce(rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _fail_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def _hang_on_zero(rank: int, world: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_allreduce_over_gloo() -> None:
+    assert run_workers(_allreduce, 3, timeout=120) == [6, 6, 6]
+
+
+def test_error_is_reported_with_rank() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_workers(_fail_on_one, 2, timeout=120)
+    assert info.value.messages() == {1: "ValueError: rank one refuses"}
+
+
+def test_hang_fails_within_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"\[0\]"):
+        run_workers(_hang_on_zero, 2, timeout=20)
+    assert time.monotonic() - t0 < 60
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        run_workers(_allreduce, 0)
+    with pytest.raises(ValueError, match="backend"):
+        run_workers(_allreduce, 1, backend="mpi")
