@@ -1,7 +1,7 @@
 """Test sessions. ``uv run nox`` runs the CPU sessions and the repository checks.
 
 CPU sessions build a fresh venv per package from the workspace lock (``uv sync --locked``), so each
-layer is tested with only what it declares. GPU sessions (``nox -s "gpu(package='kernels', runner='h200')"``)
+layer is tested with only what it declares. GPU sessions (``nox -s "gpu(kernels, h200)"``)
 run without a venv against the runner's preinstalled torch, through ``ci/gpu.py``.
 """
 

@@ -24,7 +24,7 @@ RUNNERS = {
     "h200": {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo", "NVSHMEM_REMOTE_TRANSPORT": "none"},
     "b300": {},
 }
-BENCH = {"kernels": "lck_kernels.benchmark", "ep": "lck_ep.benchmark", "megatron": "lck_megatron.benchmark"}
+BENCH = {"kernels": "lck_kernels.bench", "ep": "lck_ep.benchmark", "megatron": "lck_megatron.benchmark"}
 
 
 def install_wheelhouse(wheelhouse: Path, site: Path) -> None:
