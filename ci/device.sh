@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One call on a lent H200 machine: run the named stages, each bounded by its own timeout, and pack
+# logs and result files under $OUT (at most a few files come back, so everything goes in one tarball
+# plus a summary).
+#
+#   bash ci/device.sh [STAGE[:SECONDS]]...
+#   stages: probe, runtime, kernels, kernels-bench, kernels-tune, ep, ep-bench, tp, tp-bench,
+#           megatron, megatron-bench, demo
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT/work"
+W=$OUT/work
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_REMOTE_TRANSPORT=none
+export PYTHONUNBUFFERED=1 LCK_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+export LCK_JIT_CACHE_DIR=/tmp/lck-jit EP_JIT_CACHE_DIR=/tmp/lck-ep-jit
+SITE=/tmp/lck-site
+if [ -d .device-wheels ] && [ ! -d "$SITE" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .device-wheels/*.whl \
+    > "$W/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+fi
+export PYTHONPATH=$PWD/packages/lck-runtime/src:$PWD/packages/lck-kernels/src:$PWD/packages/lck-ep/src:$PWD/packages/lck-megatron/src:$SITE
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+summary=$OUT/summary.txt
+: > "$summary"
+
+pytest_pkg() {  # package [pytest args...]
+  local pkg=$1; shift
+  python3 -m pytest "packages/lck-$pkg/tests" -m gpu -ra -q -p no:cacheprovider \
+    --junitxml="$W/junit-$pkg.xml" "$@"
+}
+
+run_stage() {
+  local stage=${1%%:*} limit=${1#*:}
+  [ "$limit" = "$1" ] && limit=300
+  local t0=$SECONDS rc
+  echo "=== $stage (limit ${limit}s, $NGPU GPUs)" | tee -a "$summary"
+  case $stage in
+    probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())"; python3 -m lck_runtime.cli doctor' ;;
+    runtime) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg runtime" ;;
+    kernels) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg kernels" ;;
+    kernels-bench) timeout "$limit" python3 -m lck_kernels.bench --out "$W/results-kernels" ;;
+    kernels-tune) timeout "$limit" bash -c 'for f in packages/lck-kernels/benchmarks/tune_*.py; do echo "--- $f"; python3 "$f"; done' ;;
+    ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
+    ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
+    tp) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg kernels -k vocab_parallel" ;;
+    tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp 2 --out "$W/results-tp" ;;
+    megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
+    megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
+    demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;
+    *) echo "unknown stage $stage"; return 2 ;;
+  esac > "$W/$stage.log" 2>&1
+  rc=$?
+  echo "--- $stage: rc=$rc in $((SECONDS - t0))s" | tee -a "$summary"
+  tail -n 25 "$W/$stage.log" >> "$summary"
+}
+
+for s in "$@"; do run_stage "$s"; done
+tar -czf "$OUT/results.tgz" -C "$W" . 2>/dev/null
+rm -rf "$W"
+cat "$summary"
