@@ -1,0 +1,626 @@
+"""``lck_ep.Buffer``: DeepEP-style expert-parallel dispatch and combine over one process group.
+
+Placement: the group's ``W`` ranks host ``E`` experts contiguously, rank ``r`` holding experts
+``[r * E/W, (r + 1) * E/W)`` (its ``L = E/W`` *local* experts, numbered 0..L-1 on that rank).
+
+Dispatch sends each token once to every rank that hosts any of its experts (``-1`` slots select none).
+A rank receives rows ordered by source rank ascending, then by token index on the source ascending,
+with the routing re-expressed for the receiver: ``recv_topk_idx[n, k]`` is the local expert index of
+slot k when that slot's expert lives on this rank, else -1; ``recv_topk_weights[n, k]`` is the slot's
+weight there, else 0. With ``expand=True`` the received rows are laid out expert-major instead, one
+row per (received token, local slot), each expert's segment padded to ``expert_alignment`` rows, ready
+for a grouped GEMM (see :mod:`lck_ep.handle` for the exact layout and the maps back).
+
+Combine returns to each source rank the sum, over the ranks its token went to, of those ranks' rows
+for it. It does not weight: the caller weights the expert outputs before combine, except with an
+expanded handle, where ``topk_weights`` (the ``recv_topk_weights`` of dispatch) may be passed and each
+expanded row is multiplied by its slot's weight while the rows of one token are reduced on the
+receiving rank. The order of every sum is fixed (:mod:`lck_ep.reference`, :mod:`lck_ep.expanded`), so
+combine is bit for bit reproducible, across runs and between the synced and sync-free modes.
+
+Modes. *Synced* (default): outputs have the exact received size and the counts are host lists; one
+host synchronisation per fresh dispatch, in the count exchange, which also carries the cross-rank
+argument check. *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
+outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
+first and padding rows after (zero ``recv_x`` rows, ``-1`` indices, ``0`` weights); counts stay on the
+device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. In
+this mode the per-call cross-rank check is skipped (it would need a host read): static parameters were
+agreed when the Buffer was built, and local checks still raise before anything is launched; a
+received count above ``num_worst_tokens`` drops the rows past it (``handle.num_recv_tokens`` tells).
+
+Backends. Data moves over ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU; the
+reference backend). On CUDA the dispatch layout comes from the JIT-compiled layout kernel
+(``layout="auto"`` when nvcc and the runtime JIT are available, or ``"kernel"``), else from torch
+ops; both give identical layouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lck_ep import reference
+from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, agree
+from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispatch, check_tensor
+from lck_ep.events import Event
+from lck_ep.expanded import build_expanded, expanded_capacity, gather_expanded, reduce_expanded
+from lck_ep.handle import DispatchHandle
+from lck_ep.layout import DispatchLayout, get_dispatch_layout
+
+__all__ = ["Buffer", "CombineOutput", "DispatchOutput"]
+
+_UIDS = itertools.count(1)
+MAX_TOPK = 64
+
+
+class DispatchOutput(NamedTuple):
+    """``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; unpacks as a 5-tuple."""
+
+    recv_x: torch.Tensor
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    handle: DispatchHandle
+    event: Event
+
+    @property
+    def num_recv_tokens_per_expert(self) -> torch.Tensor:
+        """``[L]`` int32 on the device: exact (token, slot) entries received per local expert."""
+        return self.handle.num_recv_tokens_per_expert
+
+    @property
+    def num_recv_tokens_per_expert_list(self) -> list[int] | None:
+        """The same as a host list (synced mode), ``None`` in sync-free mode."""
+        return self.handle.num_recv_tokens_per_expert_list
+
+
+class CombineOutput(NamedTuple):
+    combined_x: torch.Tensor
+    event: Event
+
+
+def _moe_context(group: dist.ProcessGroup) -> Any:
+    """The runtime's configured MoE context for ``group``, or None (not configured / older runtime)."""
+    try:
+        from lck_runtime import moe_context  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return moe_context(group, required=False)
+
+
+def kernel_layout_available() -> bool:
+    """True when the layout kernel can be built here: nvcc found and the runtime JIT importable."""
+    from lck_runtime.toolchain import find_nvcc
+
+    return find_nvcc() is not None and importlib.util.find_spec("lck_runtime.jit") is not None
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine for one process group (collective construction).
+
+    Args:
+        group: the expert-parallel ``ProcessGroup``; every member constructs its Buffer with the same
+            arguments, in the same order as its other collectives.
+        max_tokens_per_rank: most tokens any rank dispatches in one call (capacity, >= 1).
+        hidden: the hidden size of a token row.
+        num_topk: slots per token in ``topk_idx`` (1..64, at most ``num_experts``).
+        num_experts: experts over the whole group; a multiple of the group size.
+        sync_free: size every dispatch by capacity, with no host synchronisation (see module doc).
+        layout: ``"auto"``, ``"kernel"`` (the JIT layout kernel, CUDA only) or ``"torch"``.
+        device: where tensors live; default ``cuda:<current>`` for an NCCL group, else ``cpu``.
+
+    Validated (the same ``ValueError``/``TypeError`` on every rank): the group and its membership, the
+    integer arguments and their relations, agreement of all of them across ranks, and, when the runtime
+    has a configured MoE context for ``group``, that they fit its ``MoEConfig`` (``max_tokens``,
+    ``hidden_size`` and ``top_k`` as capacities, ``num_experts`` exactly). With that context the Buffer
+    takes its topology (``num_hosts``, ``gpus_per_host``); without it the group is one host.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        num_experts: int,
+        *,
+        sync_free: bool = False,
+        layout: str = "auto",
+        device: torch.device | str | None = None,
+    ) -> None:
+        where = "Buffer"
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{where}: torch.distributed is not initialised; call init_process_group first"
+            )
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"{where}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+            )
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not a member of group"
+            )
+        world = dist.get_world_size(group)
+        self.group, self.rank, self.num_ranks = group, rank, world
+        backend = str(dist.get_backend(group)).lower()
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if "nccl" in backend
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        error: BaseException | None = None
+        try:
+            self._check_init(max_tokens_per_rank, hidden, num_topk, num_experts, sync_free, layout, backend)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        digest = None
+        if error is None:
+            digest = [
+                3,
+                max_tokens_per_rank,
+                hidden,
+                num_topk,
+                num_experts,
+                int(sync_free),
+                int(self.device.type == "cuda"),
+            ]
+        agree(group, self.device, error, BUFFER_FIELDS, digest, None, 0)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // world
+        self.sync_free = sync_free
+        self.uid = next(_UIDS)
+        self._seq = 0
+        self._topo = reference.Topology(
+            group=group,
+            rank=rank,
+            world=world,
+            num_experts=num_experts,
+            num_local_experts=self.num_local_experts,
+            max_tokens_per_rank=max_tokens_per_rank,
+            device=self.device,
+        )
+
+    def _check_init(
+        self,
+        max_tokens: Any,
+        hidden: Any,
+        num_topk: Any,
+        num_experts: Any,
+        sync_free: Any,
+        layout: Any,
+        backend: str,
+    ) -> None:
+        where = "Buffer"
+        for name, v in (
+            ("max_tokens_per_rank", max_tokens),
+            ("hidden", hidden),
+            ("num_topk", num_topk),
+            ("num_experts", num_experts),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{where}: {name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{where}: {name} must be >= 1, got {v}")
+        if not isinstance(sync_free, bool):
+            raise TypeError(f"{where}: sync_free must be a bool, got {type(sync_free).__name__}")
+        if num_topk > min(num_experts, MAX_TOPK):
+            raise ValueError(
+                f"{where}: num_topk must be at most min(num_experts, {MAX_TOPK}) = {min(num_experts, MAX_TOPK)}, got {num_topk}"
+            )
+        if num_experts % self.num_ranks:
+            raise ValueError(
+                f"{where}: num_experts ({num_experts}) must be a multiple of the group size ({self.num_ranks}): "
+                "experts are placed contiguously, the same number on every rank"
+            )
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: device must be cpu or cuda, got {self.device}")
+        if "nccl" in backend and self.device.type != "cuda":
+            raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={self.device}")
+        if backend == "gloo" and self.device.type != "cpu":
+            raise ValueError(f"{where}: a gloo group moves CPU tensors, got device={self.device}")
+        if layout not in ("auto", "kernel", "torch"):
+            raise ValueError(f"{where}: layout must be 'auto', 'kernel' or 'torch', got {layout!r}")
+        use_kernel = False
+        if layout == "kernel" or (layout == "auto" and self.device.type == "cuda"):
+            if self.device.type != "cuda":
+                raise ValueError(f"{where}: layout='kernel' needs a cuda device, got {self.device}")
+            available = kernel_layout_available()
+            if layout == "kernel" and not available:
+                raise ValueError(
+                    f"{where}: layout='kernel' needs nvcc and lck_runtime.jit; use layout='torch' or install them"
+                )
+            use_kernel = available
+        if use_kernel:
+            from lck_ep.jit import check_layout_problem
+
+            # Bad EP_* knob values are refused here, before any rank compiles anything.
+            check_layout_problem(num_experts=num_experts, num_ranks=self.num_ranks, num_topk=num_topk)
+        self.use_kernel_layout = use_kernel
+        ctx = _moe_context(self.group)
+        self.moe_context = ctx
+        self.num_hosts, self.gpus_per_host = 1, self.num_ranks
+        if ctx is not None:
+            cfg = ctx.config
+            for name, have, cap in (
+                ("max_tokens_per_rank", max_tokens, cfg.max_tokens),
+                ("hidden", hidden, cfg.hidden_size),
+                ("num_topk", num_topk, cfg.top_k),
+            ):
+                if have > cap:
+                    raise ValueError(
+                        f"{where}: {name}={have} exceeds the configured MoEConfig capacity {cap} of this group"
+                    )
+            if num_experts != cfg.num_experts:
+                raise ValueError(
+                    f"{where}: num_experts={num_experts} differs from the configured MoEConfig.num_experts={cfg.num_experts}"
+                )
+            if ctx.size != self.num_ranks:
+                raise ValueError(
+                    f"{where}: the MoE context has {ctx.size} ranks but group has {self.num_ranks}"
+                )
+            self.num_hosts = int(ctx.num_hosts)
+            self.gpus_per_host = int(ctx.gpus_per_host)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def worst_case_tokens(self) -> int:
+        """Most rows a rank can receive in one dispatch: ``max_tokens_per_rank * num_ranks``."""
+        return self.max_tokens_per_rank * self.num_ranks
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer(rank={self.rank}/{self.num_ranks}, max_tokens_per_rank={self.max_tokens_per_rank}, "
+            f"hidden={self.hidden}, num_topk={self.num_topk}, num_experts={self.num_experts}, "
+            f"sync_free={self.sync_free}, device={self.device}, layout={'kernel' if self.use_kernel_layout else 'torch'})"
+        )
+
+    # ------------------------------------------------------------------ layout
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        """The layout of this rank's routing (not collective, no host synchronisation).
+
+        ``topk_idx`` ``[num_tokens, num_topk]`` int64 on the Buffer's device, ``num_tokens <=
+        max_tokens_per_rank``. Returns ``num_tokens_per_rank [W]`` int32, ``num_tokens_per_expert [E]``
+        int32, ``is_token_in_rank [num_tokens, W]`` bool (see :mod:`lck_ep.layout`).
+        """
+        where = "get_dispatch_layout"
+        if (
+            isinstance(topk_idx, torch.Tensor)
+            and topk_idx.dim() == 2
+            and topk_idx.shape[0] > self.max_tokens_per_rank
+        ):
+            raise ValueError(
+                f"{where}: topk_idx has {topk_idx.shape[0]} tokens, more than max_tokens_per_rank={self.max_tokens_per_rank}"
+            )
+        n = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() >= 1 else None
+        check_tensor(
+            topk_idx,
+            "topk_idx",
+            where=where,
+            dtypes=(torch.int64,),
+            shape=(n, self.num_topk),
+            device=self.device,
+        )
+        return self._layout(topk_idx)
+
+    def _layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        return get_dispatch_layout(
+            topk_idx, self.num_experts, self.num_ranks, use_kernel=self.use_kernel_layout
+        )
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        handle: DispatchHandle | None = None,
+        expand: bool | None = None,
+        expert_alignment: int | None = None,
+        num_worst_tokens: int | None = None,
+    ) -> DispatchOutput:
+        """Send each token to the ranks hosting its experts. Collective over the Buffer's group.
+
+        Args:
+            x: ``[num_tokens, hidden]`` bf16/fp16/fp32, contiguous, ``num_tokens <= max_tokens_per_rank``.
+            topk_idx: ``[num_tokens, num_topk]`` int64, global expert indices in ``[0, E)`` or -1.
+            topk_weights: optional ``[num_tokens, num_topk]`` float32.
+            handle: replay the layout of an earlier dispatch of this Buffer (then ``x`` must have that
+                dispatch's ``num_tokens`` and ``topk_idx``/``topk_weights`` are not given); nothing is
+                recomputed or exchanged but the rows. Returns ``None`` for the routing outputs.
+            expand: return the expanded expert-major layout (see :mod:`lck_ep.handle`).
+            expert_alignment: pad each expert's expanded segment to a multiple of this (1..4096;
+                ``expand=True`` only).
+            num_worst_tokens: make this call sync-free with outputs of this many rows
+                (``1..max_tokens_per_rank * W``); default: the Buffer's mode.
+
+        Returns :class:`DispatchOutput` ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``:
+        ``recv_x`` ``[N, hidden]`` (or ``[M, hidden]`` expanded) in ``x.dtype``; ``recv_topk_idx``
+        ``[N, num_topk]`` int64 local expert indices or -1; ``recv_topk_weights`` ``[N, num_topk]``
+        float32 (0 where -1) or None without ``topk_weights``. In synced mode ``topk_idx`` entries outside
+        ``[-1, E)`` are rejected (on every rank); in sync-free mode they are ignored like -1.
+        """
+        sync_free = (
+            self.sync_free
+            or (isinstance(handle, DispatchHandle) and handle.sync_free)
+            or (num_worst_tokens is not None and num_worst_tokens != 0)
+        )
+        plan: DispatchPlan | None = None
+        error: BaseException | None = None
+        try:
+            plan = check_dispatch(
+                self, x, topk_idx, topk_weights, handle, expand, expert_alignment, num_worst_tokens
+            )
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if plan is not None and plan.sync_free != sync_free:  # e.g. a synced handle on a sync-free Buffer
+            sync_free = plan.sync_free
+        if sync_free:
+            if error is not None:
+                raise error
+            assert plan is not None
+            return self._dispatch_sync_free(plan)
+        return self._dispatch_synced(plan, error)
+
+    def _dispatch_synced(self, plan: DispatchPlan | None, error: BaseException | None) -> DispatchOutput:
+        w, e, big_l, r = self.num_ranks, self.num_experts, self.num_local_experts, self.rank
+        layout = None
+        extra = None
+        if plan is not None and plan.handle is None:
+            assert plan.topk_idx is not None
+            layout = self._layout(plan.topk_idx)
+            bad = ((plan.topk_idx < -1) | (plan.topk_idx >= e)).any().to(torch.int64).reshape(1)
+            extra = torch.cat(
+                [
+                    bad,
+                    layout.num_tokens_per_rank.to(torch.int64),
+                    layout.num_tokens_per_expert.to(torch.int64),
+                ]
+            )
+        digest = plan.digest() if plan is not None else None
+        table = agree(self.group, self.device, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
+        assert plan is not None
+        if plan.handle is not None:
+            return self._replay_synced(plan)
+        assert layout is not None and plan.topk_idx is not None
+        bad_ranks = [s for s in range(w) if int(table[s, 0])]
+        if bad_ranks:
+            raise ValueError(
+                f"dispatch: topk_idx on rank {bad_ranks[0]} has entries outside [-1, {e}) "
+                f"(expected -1 or a global expert index; ranks with such entries: {bad_ranks})"
+            )
+        per_rank = table[:, 1 : 1 + w]
+        per_expert = table[:, 1 + w :]
+        send_counts = [int(v) for v in per_rank[r].tolist()]
+        recv_counts = [int(v) for v in per_rank[:, r].tolist()]
+        per_local = [int(v) for v in per_expert[:, r * big_l : (r + 1) * big_l].sum(0).tolist()]
+        got = reference.dispatch_synced(
+            self._topo,
+            plan.x,
+            layout=layout,
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            topk_idx=plan.topk_idx,
+            topk_weights=plan.topk_weights,
+        )
+        assert (
+            got.recv_topk_idx is not None and got.recv_src_idx is not None and got.recv_src_rank is not None
+        )
+        n = sum(recv_counts)
+        fields: dict[str, Any] = {}
+        recv_x = got.recv_x
+        if plan.expand:
+            a = plan.expert_alignment
+            m = sum((c + a - 1) // a * a for c in per_local)
+            maps = build_expanded(got.recv_topk_idx, big_l, a, m)
+            recv_x = gather_expanded(got.recv_x, maps.src_row)
+            fields = dict(
+                expert_offsets=maps.offsets,
+                expanded_src_row=maps.src_row,
+                expanded_slot=maps.slot,
+                recv_expanded_index=maps.index,
+                num_expanded_rows=m,
+            )
+        handle = DispatchHandle(
+            buffer_uid=self.uid,
+            seq=self._next_seq(),
+            num_tokens=plan.num_tokens,
+            num_topk=plan.num_topk,
+            hidden=self.hidden,
+            sync_free=False,
+            num_worst_tokens=None,
+            expand=plan.expand,
+            expert_alignment=plan.expert_alignment,
+            is_token_in_rank=layout.is_token_in_rank,
+            num_tokens_per_rank=layout.num_tokens_per_rank,
+            num_tokens_per_expert=layout.num_tokens_per_expert,
+            send_counts=tuple(send_counts),
+            send_token_idx=got.send_token_idx,
+            send_slot=None,
+            recv_counts=tuple(recv_counts),
+            num_recv_tokens=n,
+            num_recv_rows=n,
+            recv_src_rank=got.recv_src_rank,
+            recv_src_idx=got.recv_src_idx,
+            recv_topk_idx=got.recv_topk_idx,
+            recv_slot_pos=None,
+            num_recv_tokens_per_expert=torch.tensor(per_local, dtype=torch.int32, device=self.device),
+            num_recv_tokens_per_expert_list=per_local,
+            **fields,
+        )
+        return DispatchOutput(recv_x, got.recv_topk_idx, got.recv_topk_weights, handle, Event(self.device))
+
+    def _replay_synced(self, plan: DispatchPlan) -> DispatchOutput:
+        h = plan.handle
+        assert h is not None and h.send_counts is not None and h.recv_counts is not None
+        got = reference.dispatch_synced(
+            self._topo,
+            plan.x,
+            layout=None,
+            send_counts=list(h.send_counts),
+            recv_counts=list(h.recv_counts),
+            send_token_idx=h.send_token_idx,
+        )
+        recv_x = got.recv_x
+        if h.expand:
+            assert h.expanded_src_row is not None
+            recv_x = gather_expanded(recv_x, h.expanded_src_row)
+        return DispatchOutput(recv_x, None, None, h, Event(self.device))
+
+    def _dispatch_sync_free(self, plan: DispatchPlan) -> DispatchOutput:
+        big_l, nwt = self.num_local_experts, plan.num_worst_tokens
+        h = plan.handle
+        if h is not None:
+            got = reference.dispatch_sync_free(
+                self._topo,
+                plan.x,
+                num_worst_tokens=nwt,
+                mask=h.is_token_in_rank,
+                send_slot=h.send_slot,
+                recv_slot_pos=h.recv_slot_pos,
+            )
+            recv_x = got.recv_x
+            if h.expand:
+                assert h.expanded_src_row is not None
+                recv_x = gather_expanded(recv_x, h.expanded_src_row)
+            return DispatchOutput(recv_x, None, None, h, Event(self.device))
+        assert plan.topk_idx is not None
+        layout = self._layout(plan.topk_idx)
+        got = reference.dispatch_sync_free(
+            self._topo,
+            plan.x,
+            num_worst_tokens=nwt,
+            layout=layout,
+            topk_idx=plan.topk_idx,
+            topk_weights=plan.topk_weights,
+        )
+        assert (
+            got.recv_topk_idx is not None and got.per_expert is not None and got.num_recv_tokens is not None
+        )
+        fields: dict[str, Any] = {}
+        recv_x = got.recv_x
+        if plan.expand:
+            m = expanded_capacity(nwt, plan.num_topk, big_l, plan.expert_alignment)
+            maps = build_expanded(got.recv_topk_idx, big_l, plan.expert_alignment, m)
+            recv_x = gather_expanded(got.recv_x, maps.src_row)
+            fields = dict(
+                expert_offsets=maps.offsets,
+                expanded_src_row=maps.src_row,
+                expanded_slot=maps.slot,
+                recv_expanded_index=maps.index,
+                num_expanded_rows=m,
+            )
+        handle = DispatchHandle(
+            buffer_uid=self.uid,
+            seq=self._next_seq(),
+            num_tokens=plan.num_tokens,
+            num_topk=plan.num_topk,
+            hidden=self.hidden,
+            sync_free=True,
+            num_worst_tokens=nwt,
+            expand=plan.expand,
+            expert_alignment=plan.expert_alignment,
+            is_token_in_rank=layout.is_token_in_rank,
+            num_tokens_per_rank=layout.num_tokens_per_rank,
+            num_tokens_per_expert=layout.num_tokens_per_expert,
+            send_counts=None,
+            send_token_idx=None,
+            send_slot=got.send_slot,
+            recv_counts=None,
+            num_recv_tokens=got.num_recv_tokens,
+            num_recv_rows=nwt,
+            recv_src_rank=got.recv_src_rank,
+            recv_src_idx=got.recv_src_idx,
+            recv_topk_idx=got.recv_topk_idx,
+            recv_slot_pos=got.recv_slot_pos,
+            num_recv_tokens_per_expert=got.per_expert.to(torch.int32),
+            num_recv_tokens_per_expert_list=None,
+            **fields,
+        )
+        return DispatchOutput(recv_x, got.recv_topk_idx, got.recv_topk_weights, handle, Event(self.device))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ combine
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> CombineOutput:
+        """Return each received row's result to its source rank and sum there. Collective.
+
+        Args:
+            x: ``[N, hidden]`` (one row per received row of ``handle``'s dispatch, in that order) or,
+                for an expanded handle, ``[M, hidden]`` (one row per expanded row; padding rows are
+                ignored); bf16/fp16/fp32. The output has ``x``'s dtype.
+            handle: the handle returned by this Buffer's dispatch.
+            topk_weights: expanded handles only: ``[N, num_topk]`` float32 (dispatch's
+                ``recv_topk_weights``); each expanded row is multiplied by its slot's weight.
+            bias: one or two ``[num_tokens, hidden]`` tensors in ``x``'s dtype, added after the sum.
+
+        Returns :class:`CombineOutput` ``(combined_x [num_tokens, hidden], event)``. Order of the
+        arithmetic: :mod:`lck_ep.expanded` (rows of a token on a receiver) then
+        :mod:`lck_ep.reference` (partials over destination ranks, then bias).
+        """
+        sync_free = isinstance(handle, DispatchHandle) and handle.sync_free
+        plan: CombinePlan | None = None
+        error: BaseException | None = None
+        try:
+            plan = check_combine(self, x, handle, topk_weights, bias)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if sync_free:
+            if error is not None:
+                raise error
+        else:
+            digest = plan.digest() if plan is not None else None
+            agree(
+                self.group,
+                self.device,
+                error,
+                DIGEST_FIELDS,
+                digest,
+                None,
+                1 + self.num_ranks + self.num_experts,
+            )
+        assert plan is not None
+        h = plan.handle
+        partial = plan.x
+        if h.expand:
+            assert h.recv_expanded_index is not None
+            partial = reduce_expanded(plan.x, h.recv_expanded_index, plan.topk_weights)
+        combined = reference.combine(
+            self._topo,
+            partial,
+            num_tokens=h.num_tokens,
+            is_token_in_rank=h.is_token_in_rank,
+            sync_free=h.sync_free,
+            send_counts=h.send_counts,
+            recv_counts=h.recv_counts,
+            send_token_idx=h.send_token_idx,
+            send_slot=h.send_slot,
+            recv_slot_pos=h.recv_slot_pos,
+            num_worst_tokens=h.num_worst_tokens,
+            bias=plan.bias,
+        )
+        return CombineOutput(combined, Event(self.device))
