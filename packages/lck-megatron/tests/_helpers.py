@@ -1,0 +1,98 @@
+"""Shared pieces of lck-megatron's tests: tolerances, float64 references, small Megatron models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# (relative Frobenius error, atol scaled by max|ref|, rtol) per dtype, as in lck-kernels' tests.
+TOL = {
+    torch.float32: (1e-5, 1e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3, 1e-2),
+    torch.bfloat16: (1e-2, 1.6e-2, 3e-2),
+}
+
+
+def assert_close(
+    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, name: str, scale: float = 1.0
+) -> None:
+    """Relative Frobenius error and elementwise closeness against a float64 reference; NaN never passes."""
+    rel, atol, rtol = (t * scale for t in TOL[dtype])
+    o, r = out.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    assert o.shape == r.shape, f"{name}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
+    assert not torch.isnan(o).any(), f"{name}: NaN in output"
+    err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+    assert err <= rel, f"{name}: relative error {err:.3e} > {rel:.1e} ({dtype})"
+    torch.testing.assert_close(
+        o, r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol, msg=lambda m: f"{name} ({dtype}): {m}"
+    )
+
+
+def swiglu_ref(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up on the last dimension's halves, in float64."""
+    a, b = y.double().chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def init_megatron_parallel(tp: int) -> None:
+    """Megatron's parallel_state over the already-initialised default group (gloo on CPU)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tp:
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def transformer_config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """A small SwiGLU TransformerConfig built on the CPU (no CUDA RNG tracker needed)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_mlp(config: Any) -> Any:
+    """Megatron's dense MLP (ColumnParallelLinear fc1 with gate|up, RowParallelLinear fc2)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+
+def mlp_reference(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """The float64 output of an unsharded (TP=1) Megatron MLP: fc2(silu(x W1_gateᵀ) · x W1_upᵀ)."""
+    w1 = mlp.linear_fc1.weight.detach().double()
+    w2 = mlp.linear_fc2.weight.detach().double()
+    h = x.detach().double() @ w1.t()
+    return swiglu_ref(h) @ w2.t()
+
+
+def build_gpt(config: Any, vocab_size: int = 64, seq: int = 16) -> Any:
+    """A Megatron GPTModel with the local (non-TE) layer spec; buildable on the CPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=seq
+    )
