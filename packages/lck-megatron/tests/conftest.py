@@ -30,7 +30,6 @@ def _revert_lck_patch() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def megatron_tp1() -> Iterator[None]:
     import torch.distributed as dist
-
     from _helpers import init_megatron_parallel
 
     created = False
