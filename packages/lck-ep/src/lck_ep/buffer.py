@@ -87,7 +87,10 @@ def _moe_context(group: dist.ProcessGroup) -> Any:
     try:
         from lck_runtime import moe_context  # type: ignore[attr-defined]
     except ImportError:
-        return None
+        try:
+            from lck_runtime.contexts import moe_context
+        except ImportError:
+            return None
     return moe_context(group, required=False)
 
 
