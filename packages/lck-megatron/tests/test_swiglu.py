@@ -168,13 +168,13 @@ def test_cpu_without_interpreter_falls_back(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_validation_names_the_argument() -> None:
     m = LckMegatronSwiGLU(fallback_impl=None)
-    with pytest.raises(ValueError, match="last dimension.*even"):
+    with pytest.raises(ValueError, match=r"last dimension.*even"):
         m(torch.randn(4, 15), None, False, False)
-    with pytest.raises(ValueError, match="2-D .* or 3-D"):
+    with pytest.raises(ValueError, match=r"2-D .* or 3-D"):
         m(torch.randn(2, 2, 2, 16), None, False, False)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         m(torch.ones(4, 16, dtype=torch.int32), None, False, False)
-    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"input must be a torch\.Tensor"):
         m([1.0, 2.0], None, False, False)
     with pytest.raises(TypeError, match="bias"):
         m(torch.randn(4, 16), 3.0, False, False)
