@@ -1,0 +1,131 @@
+"""Symmetric reservations: the shared FLSCE scratch and the per-context MoE state, in one pool.
+
+NVSHMEM allocation is collective over all PEs and symmetric: the k-th allocation lands at the same
+heap offset on every PE, which is what makes a peer's copy addressable. So every rank of the
+bootstrap domain makes the same sequence of reservations (labels and sizes), in an order derived
+from the agreed request alone, never from rank-local state. A rank reserves the state of *its own*
+group in each partition; the groups of a partition have equal sizes, so the sequence is the same
+everywhere.
+
+- The FLSCE scratch is shared by every FLSCE context and sized at the process-wide maximum capacity
+  (the first ``FusedLinearCrossEntropyConfig``); later, equal or smaller requests reuse it.
+- Each MoE context owns its workspace and signals, so one EP group's reservations never move
+  another's pointers (captured CUDA graphs keep working).
+
+On the torch.distributed path the same reservations are recorded without memory (``tensor is None``),
+so ordering, reuse and growth rules are identical and testable on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lck_runtime.config import MoEConfig
+
+__all__ = [
+    "SCRATCH_ALIGN",
+    "SIGNAL_WORDS_PER_PEER",
+    "Reservation",
+    "SymmetricPool",
+    "moe_workspace_bytes",
+    "scratch_numel",
+]
+
+# Scratch length is a multiple of 128 fp32 so that its two halves (source and destination of a team
+# reduction) both start 256-byte aligned, which NVSHMEM's vectorised reduction paths need.
+SCRATCH_ALIGN = 128
+# int64 signal words per member of a MoE group: per-peer counters for dispatch/combine barriers.
+SIGNAL_WORDS_PER_PEER = 32
+_DTYPE_BYTES = {"float32": 4, "int64": 8, "uint8": 1}
+
+
+def scratch_numel(capacity: int) -> int:
+    """fp32 elements of the shared FLSCE scratch for a capacity (in fp32 elements)."""
+    return (capacity + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+
+
+def moe_workspace_bytes(config: MoEConfig, group_size: int) -> int:
+    """Bytes of one MoE context's symmetric workspace.
+
+    The worst-case receive area of one dispatch: every member sends all of its ``max_tokens`` tokens
+    to this rank, each a bf16 row of ``hidden_size`` plus its ``top_k`` int64 expert ids and fp32
+    weights, rows 16-byte aligned.
+    """
+    row = config.hidden_size * 2 + config.top_k * (8 + 4)
+    row = (row + 15) // 16 * 16
+    return group_size * config.max_tokens * row
+
+
+@dataclass
+class Reservation:
+    label: str
+    numel: int
+    dtype: str  # "float32" | "int64" | "uint8"
+    tensor: Any = None  # the symmetric tensor on the NVSHMEM path
+    alive: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class SymmetricPool:
+    """Reservations in allocation order (the same on every bootstrap rank)."""
+
+    reservations: list[Reservation] = field(default_factory=list)
+    scratch: Reservation | None = None
+
+    def reserve(self, label: str, numel: int, dtype: str, nvshmem: Any | None) -> Reservation:
+        """Collective over the bootstrap domain on the NVSHMEM path (same label/size order everywhere)."""
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"reserve({label!r}): dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}"
+            )
+        if numel < 1:
+            raise ValueError(f"reserve({label!r}): numel must be >= 1, got {numel}")
+        tensor = None
+        if nvshmem is not None:
+            import torch
+
+            tensor = nvshmem.alloc(numel, getattr(torch, dtype))
+        res = Reservation(label, numel, dtype, tensor)
+        self.reservations.append(res)
+        return res
+
+    def ensure_scratch(self, capacity: int, nvshmem: Any | None) -> Reservation:
+        """The shared FLSCE scratch for ``capacity``: reuse when it fits (callers reject growth first)."""
+        if self.scratch is not None:
+            if self.scratch.numel < capacity:
+                raise RuntimeError(
+                    f"FLSCE scratch holds {self.scratch.numel} fp32 but {capacity} were requested; "
+                    "growth must be rejected before reserving"
+                )
+            return self.scratch
+        self.scratch = self.reserve("flsce.scratch", scratch_numel(capacity), "float32", nvshmem)
+        return self.scratch
+
+    def release(self, res: Reservation, nvshmem: Any | None) -> None:
+        """Collective on the NVSHMEM path: every rank releases the same reservation at the same point."""
+        if not res.alive:
+            return
+        res.alive = False
+        self.reservations.remove(res)
+        if res is self.scratch:
+            self.scratch = None
+        if nvshmem is not None and res.tensor is not None:
+            nvshmem.free(res.tensor)
+        res.tensor = None
+
+    def release_all(self, nvshmem: Any | None) -> None:
+        for res in reversed(list(self.reservations)):
+            self.release(res, nvshmem)
+
+    def plan(self) -> list[tuple[str, int, str]]:
+        """(label, numel, dtype) in allocation order: equal on every rank of the bootstrap domain."""
+        return [(r.label, r.numel, r.dtype) for r in self.reservations]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reservations)
