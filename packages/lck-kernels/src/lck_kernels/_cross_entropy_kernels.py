@@ -1,0 +1,469 @@
+"""Triton kernels for cross entropy over rows of logits, shared by ``cross_entropy`` and the fused linear ops.
+
+Every row's logits ``x`` enter as ``z = softcap · tanh(scale · x / softcap)`` (``scale`` is an inverse
+temperature, 1 for plain cross entropy; the cap is optional). Two ``@triton.jit`` building blocks do the
+work, and both take a row pointer, the row length, a *local* target index (−1 when the row's target is not
+in the row) and scalars, so they apply unchanged to a vocabulary shard ``[vocab_start, vocab_start + n)``
+(pass ``target − vocab_start``, or −1 when the target lies outside the shard):
+
+- ``_ce_row_stats``: one streaming pass giving the running maximum ``m``, ``s = Σ exp(z − m)``,
+  ``q = Σ exp(z − m)·z`` (entropy), ``Σ w·z`` (label smoothing, ``w`` the class weights or 1) and the
+  target logit. ``lse = m + log s``; shards combine these by the usual max-rescaled sums.
+- ``_ce_row_grad``: one pass that writes ``∂L/∂x`` given the row's lse (from the stats just computed, from
+  a saved forward, or from an all-reduce over shards) and four per-row coefficients::
+
+      ∂L/∂z_c = A·p_c − B·[c = t] − C·w_c + E·p_c·(E_p[z] − z_c),   p_c = exp(z_c − lse)
+
+  then multiplies by the soft-cap derivative ``1 − (z_c/softcap)²`` and by ``scale``. For a row loss
+  ``L = cw·ce + cz·ζ·lse² + gl·lse + ge·H`` with ``ce = (1−ε)·w_t·(lse − z_t) + (ε/V)·(W·lse − Σ w_c z_c)``
+  (``W = Σ w_c``) this is ``A = cw·((1−ε)·w_t + ε·W/V) + 2·cz·ζ·lse + gl``, ``B = cw·(1−ε)·w_t``,
+  ``C = cw·ε/V``, ``E = ge``.
+
+Kernels built from them:
+
+- ``_ce_reduction_kernel`` (one program): the mean's denominators on device, without a host sync:
+  ``[Σ w_t, n_valid, cw, cz, Σ_c w_c]`` over non-ignored rows (``cw = 1/Σ w_t`` and ``cz = 1/n_valid`` for
+  ``mean``, else 1), the same normalisation as ``torch.nn.functional.cross_entropy``.
+- ``_ce_fwd_kernel``: per row, stats → cross-entropy term, z-loss term, lse (and entropy); with ``GRAD`` a
+  second pass writes the gradient right away, while the row (just read) is still in L2.
+- ``_ce_bwd_kernel``: the gradient from a saved lse (and entropy) and per-row upstream gradients: the
+  recompute path of the fused linear ops.
+- ``_ce_rescale_rows_kernel``, ``_rescale_factor_kernel`` + ``_rescale_kernel``: the backward of a
+  gradient computed in the forward. Each buffer carries the factor already applied (1 after the forward),
+  so a backward multiplies by ``g / applied``: with the usual ``g == 1`` the programs exit at once (a launch,
+  not a pass over gigabytes, and no host sync), and a second backward (``retain_graph=True``) with the same
+  ``g`` is a no-op instead of scaling twice.
+
+Row offsets are int64: rows × vocabulary passes 2^31 at 8192 × 262144. Logits are read in their dtype and
+never copied to float32; all arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from lck_kernels._common import next_power_of_2, num_sms, tuned
+
+# Start of the running maximum: finite, so a tile of -inf logits never computes (-inf) - (-inf).
+_M_FLOOR: tl.constexpr = tl.constexpr(-3.0e38)
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based: libdevice's tanh is not available in the interpreter; saturates exactly to ±1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _ce_logit(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = x.to(tl.float32) * scale
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _ce_row_stats(
+    x_row,
+    n_cols,
+    t_local,
+    w_ptr,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    m = tl.full((), _M_FLOOR, tl.float32)
+    s = tl.zeros((), tl.float32)
+    q = tl.zeros((), tl.float32)
+    sw = tl.zeros((), tl.float32)
+    for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        if EVICT:  # keep the row in L2 for the gradient pass that follows
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_row + cols, mask=mask, other=0.0)
+        z = tl.where(mask, _ce_logit(x, scale, softcap, HAS_SOFTCAP), float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        e = tl.exp(z - m_new)
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(e, 0)
+        if ENTROPY:
+            q = q * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), 0)
+        if SMOOTH:
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sw += tl.sum(tl.where(mask, w * z, 0.0), 0)
+            else:
+                sw += tl.sum(tl.where(mask, z, 0.0), 0)
+        m = m_new
+    has_t = t_local >= 0
+    xt = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
+    zt = tl.where(has_t, _ce_logit(xt, scale, softcap, HAS_SOFTCAP), 0.0)
+    return m, s, q, sw, zt
+
+
+@triton.jit
+def _ce_row_grad(
+    x_row,
+    g_row,
+    n_cols,
+    t_local,
+    w_ptr,
+    scale,
+    softcap,
+    lse,
+    ez,
+    coef_p,
+    coef_t,
+    coef_w,
+    coef_e,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        if EVICT:  # last use of the row, and the gradient is not read again here: stream both
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_row + cols, mask=mask, other=0.0)
+        z = _ce_logit(x, scale, softcap, HAS_SOFTCAP)
+        p = tl.exp(z - lse)
+        d = p * coef_p
+        if ENTROPY:
+            d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
+        if SMOOTH:
+            if HAS_WEIGHT:
+                d -= coef_w * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                d -= coef_w
+        d = tl.where(cols == t_local, d - coef_t, d)
+        if HAS_SOFTCAP:
+            r = z / softcap
+            d = d * (1.0 - r * r)
+        d = (d * scale).to(g_row.dtype.element_ty)
+        if EVICT:
+            tl.store(g_row + cols, d, mask=mask, eviction_policy="evict_first")
+        else:
+            tl.store(g_row + cols, d, mask=mask)
+
+
+@triton.jit
+def _ce_target(target_ptr, row, weight_ptr, n_cols, ignore_index, HAS_WEIGHT: tl.constexpr):
+    """(valid, in_range, local target index or -1, class weight of the target)."""
+    t = tl.load(target_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < n_cols)
+    has_t = valid & in_range
+    t_local = tl.where(has_t, t, -1)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + tl.where(has_t, t, 0), mask=has_t, other=0.0).to(tl.float32)
+    else:
+        w_t = tl.where(has_t, 1.0, 0.0)
+    return valid, in_range, t_local, w_t
+
+
+@triton.jit
+def _ce_reduction_kernel(
+    target_ptr,
+    weight_ptr,
+    red_ptr,
+    n_rows,
+    n_cols,
+    ignore_index,
+    MEAN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    count = tl.zeros((), tl.int32)  # integer: exact at any token count
+    dw = tl.zeros((), tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        mask = rows < n_rows
+        t = tl.load(target_ptr + rows, mask=mask, other=0).to(tl.int64)
+        valid = mask & (t != ignore_index)
+        count += tl.sum(valid.to(tl.int32), 0)
+        if HAS_WEIGHT:
+            ok = valid & (t >= 0) & (t < n_cols)
+            dw += tl.sum(tl.load(weight_ptr + tl.where(ok, t, 0), mask=ok, other=0.0).to(tl.float32), 0)
+    n_valid = count.to(tl.float32)
+    if HAS_WEIGHT:
+        wsum = tl.zeros((), tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            wsum += tl.sum(tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32), 0)
+    else:
+        dw = n_valid
+        wsum = n_cols * 1.0
+    tl.store(red_ptr + 0, dw)
+    tl.store(red_ptr + 1, n_valid)
+    if MEAN:  # 0/0 when every target is ignored: the loss is NaN, as in torch; gradient rows stay 0
+        tl.store(red_ptr + 2, 1.0 / dw)
+        tl.store(red_ptr + 3, 1.0 / n_valid)
+    else:
+        tl.store(red_ptr + 2, 1.0)
+        tl.store(red_ptr + 3, 1.0)
+    tl.store(red_ptr + 4, wsum)
+
+
+@triton.jit
+def _ce_coefficients(valid, in_range, w_t, lse, cw, cz, gl, n_cols, wsum, eps, z_scale, HAS_Z: tl.constexpr):
+    """(A, B, C) of the module docstring; NaN for a target outside [0, n_cols) that is not ignored."""
+    coef_t = cw * (1.0 - eps) * w_t
+    coef_w = tl.where(valid, cw * eps / n_cols, 0.0)
+    coef_p = coef_t + coef_w * wsum + gl
+    if HAS_Z:
+        coef_p += tl.where(valid, cz * 2.0 * z_scale * lse, 0.0)
+    coef_p = tl.where(valid & (in_range == 0), float("nan"), coef_p)
+    return coef_p, coef_t, coef_w
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    x_ptr,
+    x_stride,
+    grad_ptr,
+    grad_stride,
+    target_ptr,
+    weight_ptr,
+    red_ptr,
+    loss_ptr,
+    zloss_ptr,
+    lse_ptr,
+    ent_ptr,
+    applied_ptr,
+    n_rows,
+    n_cols,
+    ignore_index,
+    eps,
+    z_scale,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    GRAD: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    wsum = tl.load(red_ptr + 4)
+    cw = tl.load(red_ptr + 2)
+    cz = tl.load(red_ptr + 3)
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        x_row = x_ptr + row64 * x_stride
+        valid, in_range, t_local, w_t = _ce_target(
+            target_ptr, row64, weight_ptr, n_cols, ignore_index, HAS_WEIGHT
+        )
+        m, s, q, sw, zt = _ce_row_stats(
+            x_row, n_cols, t_local, weight_ptr, scale, softcap,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES,
+        )  # fmt: skip
+        lse = m + tl.log(s)
+        ce = (1.0 - eps) * w_t * (lse - zt)
+        if SMOOTH:
+            ce += eps / n_cols * (wsum * lse - sw)
+        ce = tl.where(valid, tl.where(in_range, ce, float("nan")), 0.0)
+        tl.store(loss_ptr + row64, ce)
+        tl.store(lse_ptr + row64, lse)
+        if HAS_Z:
+            tl.store(zloss_ptr + row64, tl.where(valid, z_scale * lse * lse, 0.0))
+        if ENTROPY:
+            tl.store(ent_ptr + row64, lse - q / s)
+        if GRAD:
+            coef_p, coef_t, coef_w = _ce_coefficients(
+                valid, in_range, w_t, lse, cw, cz, 0.0, n_cols, wsum, eps, z_scale, HAS_Z
+            )
+            _ce_row_grad(
+                x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
+                lse, 0.0, coef_p, coef_t, coef_w, 0.0,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES,
+            )  # fmt: skip
+            tl.store(applied_ptr + row64, 1.0)
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    x_ptr,
+    x_stride,
+    grad_ptr,
+    grad_stride,
+    target_ptr,
+    weight_ptr,
+    red_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_loss_ptr,
+    g_loss_stride,
+    g_lse_ptr,
+    g_lse_stride,
+    g_ent_ptr,
+    g_ent_stride,
+    n_rows,
+    n_cols,
+    ignore_index,
+    eps,
+    z_scale,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_G_LOSS: tl.constexpr,
+    HAS_G_LSE: tl.constexpr,
+    HAS_G_ENT: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    wsum = tl.load(red_ptr + 4)
+    red_w = tl.load(red_ptr + 2)
+    red_z = tl.load(red_ptr + 3)
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        x_row = x_ptr + row64 * x_stride
+        valid, in_range, t_local, w_t = _ce_target(
+            target_ptr, row64, weight_ptr, n_cols, ignore_index, HAS_WEIGHT
+        )
+        lse = tl.load(lse_ptr + row64)
+        g = tl.zeros((), tl.float32)
+        gl = tl.zeros((), tl.float32)
+        ge = tl.zeros((), tl.float32)
+        ez = tl.zeros((), tl.float32)
+        if HAS_G_LOSS:
+            g = tl.load(g_loss_ptr + row64 * g_loss_stride).to(tl.float32)
+        if HAS_G_LSE:
+            gl = tl.load(g_lse_ptr + row64 * g_lse_stride).to(tl.float32)
+        if HAS_G_ENT:
+            ge = tl.load(g_ent_ptr + row64 * g_ent_stride).to(tl.float32)
+            ez = lse - tl.load(ent_ptr + row64)  # E_p[z] = lse - H
+        coef_p, coef_t, coef_w = _ce_coefficients(
+            valid, in_range, w_t, lse, g * red_w, g * red_z, gl, n_cols, wsum, eps, z_scale, HAS_Z
+        )
+        _ce_row_grad(
+            x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
+            lse, ez, coef_p, coef_t, coef_w, ge,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES,
+        )  # fmt: skip
+
+
+@triton.jit
+def _ce_rescale_rows_kernel(
+    grad_ptr, grad_stride, applied_ptr, g_ptr, g_stride, n_rows, n_cols, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
+        a = tl.load(applied_ptr + row64)
+        if g != a:  # the common g == 1 costs one load per row
+            f = g / a
+            g_row = grad_ptr + row64 * grad_stride
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                v = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(g_row + cols, (v * f).to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(applied_ptr + row64, g)
+
+
+@triton.jit
+def _rescale_factor_kernel(g_ptr, applied_ptr, factor_ptr):
+    g = tl.load(g_ptr).to(tl.float32)
+    a = tl.load(applied_ptr)
+    tl.store(factor_ptr, tl.where(g == a, 1.0, g / a))
+    tl.store(applied_ptr, g)
+
+
+@triton.jit
+def _rescale_kernel(ptr, n, factor_ptr, BLOCK: tl.constexpr):
+    f = tl.load(factor_ptr)
+    if f != 1.0:
+        pid = tl.program_id(0).to(tl.int64)
+        nprog = tl.num_programs(0).to(tl.int64)
+        for start in range(pid * BLOCK, n, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptr + offs, (v * f).to(ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch configuration: small pure functions, overridable through lck_kernels._common.tuning(...)
+# ---------------------------------------------------------------------------------------------------------
+
+# Tuning keys: "cross_entropy_fwd" (loss only: one read), "cross_entropy_fwd_grad" (loss and gradient in
+# one kernel: read, re-read from L2, write), "cross_entropy_bwd" (gradient from a saved lse).
+# block_bytes: bytes of a row per tile (capped by the row); warps: warps per program; programs_per_sm: a
+# persistent grid of that many programs per SM, 0 for one program per row; evict: L2 eviction hints;
+# stages: software-pipelining depth of the row loop (1 = none).
+_DEFAULTS = {
+    # One read per element: many rows in flight hide HBM latency.
+    "cross_entropy_fwd": {"block_bytes": 32768, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1},
+    # The second read must hit L2: about one row (256 KiB at 128k bf16) per SM in flight keeps the rows
+    # being worked on (~33 MiB on 132 SMs) inside the 50 MiB L2, and the eviction hints keep the streamed
+    # gradient from pushing them out.
+    "cross_entropy_fwd_grad": {
+        "block_bytes": 32768,
+        "warps": 32,
+        "programs_per_sm": 1,
+        "evict": 1,
+        "stages": 1,
+    },
+    "cross_entropy_bwd": {"block_bytes": 32768, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1},
+}
+_ELEMENTS_PER_THREAD_FLOOR = 8  # fewer warps for short rows: at least this many elements per thread
+
+
+def ce_launch_config(
+    kernel: str, n_rows: int, n_cols: int, element_size: int, device: torch.device
+) -> dict[str, Any]:
+    """Tile width, warps, grid size and constexpr switches for one of the row kernels.
+
+    The tile is ``block_bytes`` of logits (so fp32 rows take half the elements of bf16 rows), capped by
+    the row length; warps shrink for short rows. The grid is ``programs_per_sm × SMs`` (a persistent grid) or one
+    program per row, never more programs than rows.
+    """
+    cfg = tuned(kernel, dict(_DEFAULTS[kernel]))
+    block = next_power_of_2(max(16, cfg["block_bytes"] // max(element_size, 1)))
+    block = min(block, max(16, next_power_of_2(n_cols)))
+    warps = next_power_of_2(max(1, min(cfg["warps"], block // (32 * _ELEMENTS_PER_THREAD_FLOOR))))
+    per_sm = cfg["programs_per_sm"]
+    programs = n_rows if per_sm <= 0 else min(n_rows, per_sm * num_sms(device))
+    return {
+        "BLOCK": block,
+        "num_warps": warps,
+        "grid": (max(1, programs),),
+        "EVICT": bool(cfg["evict"]),
+        "NUM_STAGES": max(1, cfg["stages"]),
+    }
+
+
+def rescale_grid(n: int, block: int, device: torch.device) -> tuple[int]:
+    """A persistent grid for the flat rescale: a few programs per SM, each striding over ``n``."""
+    return (max(1, min(triton.cdiv(n, block), 8 * num_sms(device))),)

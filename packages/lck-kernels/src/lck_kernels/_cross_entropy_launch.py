@@ -1,0 +1,226 @@
+"""Launchers for the cross-entropy row kernels (``_cross_entropy_kernels``), shared by the three ops.
+
+Each launcher takes preallocated outputs (so the fused linear ops can write one chunk of rows into slices of
+whole-batch buffers) and ``wrap``: True inside a ``triton_op`` body, where kernels must be launched through
+``torch.library.wrap_triton`` for ``torch.compile`` to see them; False inside opaque ``custom_op`` bodies.
+Nothing here validates user input: the public functions do that before any launcher runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lck_kernels import _cross_entropy_kernels as k
+from lck_kernels._common import launcher, num_sms
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    """Per-call constants of the loss. ``softcap`` 0 means no cap; ``scale`` multiplies logits first."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float = 0.0
+    scale: float = 1.0
+
+    def flags(self, has_weight: bool) -> dict[str, bool]:
+        return {
+            "HAS_WEIGHT": has_weight,
+            "SMOOTH": self.label_smoothing > 0.0,
+            "HAS_Z": self.lse_square_scale > 0.0,
+            "HAS_SOFTCAP": self.softcap > 0.0,
+        }
+
+    def scalars(self) -> tuple[int, float, float, float, float]:
+        softcap = self.softcap if self.softcap > 0.0 else 1.0  # unused without the cap; avoid a 0 divide
+        return self.ignore_index, self.label_smoothing, self.lse_square_scale, self.scale, softcap
+
+
+def _kernel(fn, wrap: bool):
+    return launcher(fn) if wrap else fn
+
+
+def launch_reduction(
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    n_cols: int,
+    ignore_index: int,
+    *,
+    mean: bool,
+    wrap: bool,
+) -> torch.Tensor:
+    """``[Σ w_t, n_valid, cw, cz, Σ w_c]`` (float32, on device) over the non-ignored targets."""
+    red = torch.empty(5, dtype=torch.float32, device=target.device)
+    _kernel(k._ce_reduction_kernel, wrap)[(1,)](
+        target,
+        class_weight if class_weight is not None else red,
+        red,
+        target.numel(),
+        n_cols,
+        ignore_index,
+        MEAN=mean,
+        HAS_WEIGHT=class_weight is not None,
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return red
+
+
+def launch_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    red: torch.Tensor,
+    opts: CEOptions,
+    *,
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    zloss: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    applied: torch.Tensor | None = None,
+    wrap: bool,
+) -> None:
+    """Per-row loss terms and lse of ``logits`` (2-D, unit column stride) into the given float32 rows.
+
+    With ``grad`` (same shape and dtype as ``logits``, possibly ``logits`` itself) the gradient scaled by
+    ``red``'s reduction factors is written in the same kernel and ``applied`` (float32 rows) is set to 1.
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    name = "cross_entropy_fwd_grad" if grad is not None else "cross_entropy_fwd"
+    cfg = k.ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
+    ignore_index, eps, z_scale, scale, softcap = opts.scalars()
+    _kernel(k._ce_fwd_kernel, wrap)[cfg["grid"]](
+        logits,
+        logits.stride(0),
+        grad if grad is not None else lse,
+        grad.stride(0) if grad is not None else 0,
+        target,
+        class_weight if class_weight is not None else lse,
+        red,
+        loss,
+        zloss if zloss is not None else lse,
+        lse,
+        entropy if entropy is not None else lse,
+        applied if applied is not None else lse,
+        n_rows,
+        n_cols,
+        ignore_index,
+        eps,
+        z_scale,
+        scale,
+        softcap,
+        BLOCK=cfg["BLOCK"],
+        **opts.flags(class_weight is not None),
+        ENTROPY=entropy is not None,
+        GRAD=grad is not None,
+        EVICT=cfg["EVICT"],
+        NUM_STAGES=cfg["NUM_STAGES"],
+        num_warps=cfg["num_warps"],
+    )
+
+
+def _row_arg(g: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A per-row upstream gradient as (pointer, row stride): 0-D and expanded tensors have stride 0."""
+    if g is None:
+        return dummy, 0
+    return g, (g.stride(0) if g.dim() == 1 else 0)
+
+
+def launch_bwd(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    red: torch.Tensor,
+    opts: CEOptions,
+    *,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_loss: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    wrap: bool,
+) -> None:
+    """``grad`` (may be ``logits``) ← ∂L/∂logits from the saved lse (and entropy) of each row.
+
+    ``L = Σ_i g_loss_i·loss_i + g_lse_i·lse_i + g_entropy_i·H_i``; each upstream gradient is ``None``
+    (absent), a 0-D tensor (the same for every row) or one value per row; ``loss_i`` is normalised by
+    ``red`` as in the forward.
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    cfg = k.ce_launch_config("cross_entropy_bwd", n_rows, n_cols, logits.element_size(), logits.device)
+    ignore_index, eps, z_scale, scale, softcap = opts.scalars()
+    gl, gl_stride = _row_arg(g_loss, lse)
+    gs, gs_stride = _row_arg(g_lse, lse)
+    ge, ge_stride = _row_arg(g_entropy, lse)
+    if g_entropy is not None and entropy is None:
+        raise RuntimeError("launch_bwd: g_entropy needs the saved entropy")  # internal invariant
+    _kernel(k._ce_bwd_kernel, wrap)[cfg["grid"]](
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        target,
+        class_weight if class_weight is not None else lse,
+        red,
+        lse,
+        entropy if entropy is not None else lse,
+        gl,
+        gl_stride,
+        gs,
+        gs_stride,
+        ge,
+        ge_stride,
+        n_rows,
+        n_cols,
+        ignore_index,
+        eps,
+        z_scale,
+        scale,
+        softcap,
+        BLOCK=cfg["BLOCK"],
+        **opts.flags(class_weight is not None),
+        HAS_G_LOSS=g_loss is not None,
+        HAS_G_LSE=g_lse is not None,
+        HAS_G_ENT=g_entropy is not None,
+        EVICT=cfg["EVICT"],
+        NUM_STAGES=cfg["NUM_STAGES"],
+        num_warps=cfg["num_warps"],
+    )
+
+
+def launch_rescale_rows(grad: torch.Tensor, applied: torch.Tensor, g: torch.Tensor, *, wrap: bool) -> None:
+    """Rows of ``grad`` ← rows × ``g / applied``; then ``applied`` ← ``g`` (0-D or one value per row)."""
+    n_rows, n_cols = grad.shape
+    if n_rows == 0:
+        return
+    g_arg, g_stride = _row_arg(g, applied)
+    block = min(4096, max(16, 1 << (n_cols - 1).bit_length()))
+    grid = (max(1, min(n_rows, 8 * num_sms(grad.device))),)
+    _kernel(k._ce_rescale_rows_kernel, wrap)[grid](
+        grad, grad.stride(0), applied, g_arg, g_stride, n_rows, n_cols, BLOCK=block, num_warps=8
+    )
+
+
+def launch_rescale_flat(
+    tensors: list[torch.Tensor], applied: torch.Tensor, g: torch.Tensor, *, wrap: bool
+) -> None:
+    """Each contiguous tensor ← tensor × ``g / applied`` (``g`` and ``applied`` hold one value); then
+    ``applied`` ← ``g``. Programs exit at once when the factor is exactly 1."""
+    factor = torch.empty(1, dtype=torch.float32, device=applied.device)
+    _kernel(k._rescale_factor_kernel, wrap)[(1,)](g, applied, factor, num_warps=1)
+    block = 4096
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        _kernel(k._rescale_kernel, wrap)[k.rescale_grid(t.numel(), block, t.device)](
+            t, t.numel(), factor, BLOCK=block, num_warps=8
+        )

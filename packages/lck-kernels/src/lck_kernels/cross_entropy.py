@@ -1,0 +1,446 @@
+"""Cross entropy over ``[tokens, vocab]`` logits, with the gradient computed in the forward.
+
+``cross_entropy(logits, target, ...)`` matches ``torch.nn.functional.cross_entropy`` on 2-D logits for
+``weight``, ``ignore_index``, ``label_smoothing`` and ``reduction``, and adds a z-loss and a soft cap:
+
+- soft cap: ``z = softcap · tanh(logits / softcap)`` is applied first; everything below uses ``z``.
+- per non-ignored row ``i`` with target ``t`` (``w`` the class weights, 1 without them, ``W = Σ_c w_c``,
+  ``ε`` the label smoothing, ``V`` the vocabulary)::
+
+      ce_i = (1 − ε)·w_t·(lse_i − z_t) + (ε/V)·(W·lse_i − Σ_c w_c·z_c)       (torch's formula)
+      zl_i = lse_square_scale · lse_i²
+
+  Ignored rows contribute 0 (and get a zero gradient). Class weights scale the target term by ``w_t`` and
+  the smoothing term class by class, exactly as torch combines them; the z-loss is not weighted.
+- ``reduction="mean"`` divides ``Σ ce`` by ``Σ w_t`` over non-ignored rows (the number of them without
+  weights), as torch does, and ``Σ zl`` by the number of non-ignored rows (the per-token mean z-loss, as in
+  Liger-Kernel). Every target ignored gives NaN, like torch; ``"sum"`` sums; ``"none"`` returns
+  ``ce_i + zl_i`` per row.
+- A target outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss and gradient NaN (checking
+  it on the host would cost a device sync per call).
+
+How it is fast: when ``logits`` requires grad, one kernel reads each row twice (the second read hits L2)
+and writes both the loss and ``∂loss/∂logits`` (already normalised for ``mean``) into a new buffer, or into
+``logits`` itself with ``in_place=True``. The backward then only multiplies by the incoming gradient, on the
+device and in place: each gradient row remembers the factor applied so far, so the usual ``grad_output ==
+1`` exits at once (one launch instead of a pass over the gigabytes of logits), and a second backward over
+a retained graph is not applied twice. Without grad the forward reads the logits once. No fp32 copy of the
+logits is ever made (256k vocabularies are tiled), no host sync happens, and all row offsets are 64-bit.
+
+``in_place=True`` overwrites ``logits`` with the gradient during the forward: use it only when nothing else
+reads ``logits`` afterwards (autograd raises if an op saved them for its backward, because the op bumps
+their version counter). It saves a ``[tokens, vocab]`` buffer. Under ``torch.compile`` use the default.
+
+Ops: ``lck::cross_entropy_fwd``, ``lck::cross_entropy_fwd_`` (in place) and ``lck::cross_entropy_rescale_``
+(the backward), registered as ``triton_op`` on GPUs so ``torch.compile(fullgraph=True)`` traces them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lck_kernels._common import check_choice, check_same_device, check_tensor, define_op
+from lck_kernels._cross_entropy_launch import CEOptions, launch_fwd, launch_reduction, launch_rescale_rows
+
+REDUCTIONS = ("none", "sum", "mean")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_loss_options(
+    op: str,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+) -> None:
+    """The scalar options shared by the cross-entropy ops."""
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    for name, value in (("label_smoothing", label_smoothing), ("lse_square_scale", lse_square_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0.0):
+        raise ValueError(f"{op}: lse_square_scale must be finite and >= 0, got {lse_square_scale}")
+    if softcap is not None:
+        if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+            raise TypeError(f"{op}: softcap must be None or a float, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0.0):
+            raise ValueError(f"{op}: softcap must be None or finite and > 0, got {softcap}")
+    check_choice(op, "reduction", reduction, REDUCTIONS)
+
+
+def check_target(op: str, target: torch.Tensor, rows: int, *, expected: str = "[tokens]") -> None:
+    check_tensor(op, "target", target, dtypes=TARGET_DTYPES, ndim=1)
+    if target.shape[0] != rows:
+        raise ValueError(
+            f"{op}: target has shape {tuple(target.shape)} but {expected} has {rows} rows; expected ({rows},)"
+        )
+    if target.shape[0] > 1 and target.stride(0) != 1:
+        raise ValueError(
+            f"{op}: target must be contiguous, got stride {target.stride(0)}; call .contiguous()"
+        )
+
+
+def check_class_weight(
+    op: str, name: str, weight: torch.Tensor | None, vocab: int, ref: torch.Tensor
+) -> None:
+    if weight is None:
+        return
+    check_tensor(op, name, weight, ndim=1, contiguous=True)
+    check_same_device(op, logits=ref, **{name: weight})
+    if weight.shape[0] != vocab:
+        raise ValueError(f"{op}: {name} has shape {tuple(weight.shape)}; expected ({vocab},), one per class")
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: {name} must not require grad (its gradient is not computed, as in torch)")
+
+
+def _check_cross_entropy_inputs(
+    op: str,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+) -> None:
+    check_tensor(op, "logits", logits, ndim=2, last_dim_contiguous=True)
+    if logits.shape[1] == 0:
+        raise ValueError(f"{op}: logits has shape {tuple(logits.shape)}; expected at least one class")
+    check_target(op, target, logits.shape[0], expected="logits")
+    check_same_device(op, logits=logits, target=target)
+    check_class_weight(op, "weight", weight, logits.shape[1], logits)
+    check_loss_options(
+        op,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+    )
+
+
+def finalize_loss(
+    ce: torch.Tensor, zl: torch.Tensor | None, red: torch.Tensor, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, z-loss) in float32 from per-row terms and the device-side denominators of ``red``."""
+    if reduction == "none":
+        if zl is None:
+            return ce, torch.zeros_like(ce)
+        return ce + zl, zl
+    if reduction == "sum":
+        total = ce.sum()
+        z = zl.sum() if zl is not None else torch.zeros_like(total)
+        return (total + z if zl is not None else total), z
+    total = ce.sum() / red[0]
+    if zl is None:
+        return total, torch.zeros_like(total)
+    z = zl.sum() / red[1]
+    return total + z, z
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.library ops
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _forward(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, grad
+):
+    n, v = logits.shape
+    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
+    red = launch_reduction(target, weight, v, ignore_index, mean=reduction == "mean", wrap=True)
+    ce = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    zl = torch.empty(n, dtype=torch.float32, device=logits.device) if lse_square_scale > 0 else None
+    applied = torch.empty(n if grad is not None else 0, dtype=torch.float32, device=logits.device)
+    launch_fwd(
+        logits, target, weight, red, opts, loss=ce, lse=lse, zloss=zl, grad=grad,
+        applied=applied if grad is not None else None, wrap=True,
+    )  # fmt: skip
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, applied
+
+
+def _fwd_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
+    _check_cross_entropy_inputs(
+        "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
+        softcap or None, reduction,
+    )  # fmt: skip
+    grad = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    loss, z, applied = _forward(
+        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+        grad if compute_grad else None,
+    )  # fmt: skip
+    return loss, z, grad, applied
+
+
+def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
+    return (logits.shape[0],) if reduction == "none" else ()
+
+
+def _fwd_fake(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, compute_grad
+):
+    n = logits.shape[0]
+    shape = _loss_shape(logits, reduction)
+    return (
+        logits.new_empty(shape, dtype=torch.float32),
+        logits.new_empty(shape, dtype=torch.float32),
+        logits.new_empty(logits.shape if compute_grad else (0,)),
+        logits.new_empty((n if compute_grad else 0,), dtype=torch.float32),
+    )
+
+
+_cross_entropy_fwd = define_op("lck::cross_entropy_fwd", _fwd_impl, fake=_fwd_fake)
+
+
+def _fwd_inplace_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, applied); ``logits`` is overwritten with the gradient."""
+    op = "lck::cross_entropy_fwd_"
+    _check_cross_entropy_inputs(
+        op,
+        logits,
+        target,
+        weight,
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap or None,
+        reduction,
+    )
+    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
+        raise ValueError(
+            f"{op}: logits rows overlap (row stride {logits.stride(0)}); cannot write the gradient"
+        )
+    return _forward(
+        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, logits
+    )
+
+
+def _fwd_inplace_fake(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction
+):
+    shape = _loss_shape(logits, reduction)
+    return (
+        logits.new_empty(shape, dtype=torch.float32),
+        logits.new_empty(shape, dtype=torch.float32),
+        logits.new_empty((logits.shape[0],), dtype=torch.float32),
+    )
+
+
+_cross_entropy_fwd_ = define_op(
+    "lck::cross_entropy_fwd_", _fwd_inplace_impl, mutates_args=("logits",), fake=_fwd_inplace_fake
+)
+
+
+def _rescale_impl(grad: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``grad`` rows ← rows × ``grad_output / applied`` (0-D or one value per row); ``applied`` ← it."""
+    op = "lck::cross_entropy_rescale_"
+    check_tensor(op, "grad", grad, ndim=2, last_dim_contiguous=True)
+    check_tensor(op, "applied", applied, dtypes=(torch.float32,), ndim=1, contiguous=True)
+    check_tensor(op, "grad_output", grad_output, ndim=(0, 1))
+    if applied.shape[0] != grad.shape[0] or (
+        grad_output.dim() == 1 and grad_output.shape[0] != grad.shape[0]
+    ):
+        raise ValueError(
+            f"{op}: grad {tuple(grad.shape)}, applied {tuple(applied.shape)} and grad_output "
+            f"{tuple(grad_output.shape)} disagree on the number of rows"
+        )
+    launch_rescale_rows(grad, applied, grad_output, wrap=True)
+
+
+def _rescale_fake(grad, applied, grad_output):
+    return None
+
+
+_cross_entropy_rescale_ = define_op(
+    "lck::cross_entropy_rescale_", _rescale_impl, mutates_args=("grad", "applied"), fake=_rescale_fake
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autograd, functional API, module
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Forward computes loss and gradient (``lck::cross_entropy_fwd[_]``); backward rescales it in place."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits,
+        target,
+        weight,
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction,
+        in_place,
+    ):
+        args = (logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+        if in_place:
+            loss, z, applied = _cross_entropy_fwd_(*args)
+            grad = logits
+        else:
+            loss, z, grad, applied = _cross_entropy_fwd(*args, True)
+        ctx.save_for_backward(grad, applied)
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z):
+        grad, applied = ctx.saved_tensors
+        _cross_entropy_rescale_(grad, applied, grad_loss)
+        return grad, None, None, None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    return_z_loss: bool = False,
+    in_place: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy of ``logits`` against class indices ``target`` (semantics in the module docstring).
+
+    Args:
+        logits: ``[tokens, vocab]`` float32/float16/bfloat16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``)
+            with unit stride along the vocabulary (any row stride).
+        target: ``[tokens]`` int64 or int32, contiguous, on the same device.
+        weight: optional ``[vocab]`` contiguous float class weights (not differentiated, as in torch).
+        ignore_index: rows whose target equals it add nothing and get a zero gradient.
+        label_smoothing: ε in ``[0, 1]``.
+        lse_square_scale: z-loss coefficient (≥ 0); 0 disables it.
+        softcap: ``None`` or the cap ``c > 0`` of ``c·tanh(logits/c)``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        return_z_loss: also return the z-loss term alone (reduced the same way; not differentiable, for
+            logging; it is already included in the loss).
+        in_place: write the gradient into ``logits`` (see the module docstring).
+
+    Returns the loss in ``logits.dtype`` (0-D, or ``[tokens]`` for ``"none"``), or ``(loss, z_loss)``.
+    Differentiable w.r.t. ``logits``. Raises ``TypeError``/``ValueError`` naming the argument for a wrong
+    dtype, device, shape, stride or option.
+    """
+    op = "cross_entropy"
+    _check_cross_entropy_inputs(
+        op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction
+    )
+    for name, flag in (("return_z_loss", return_z_loss), ("in_place", in_place)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+    args = (logits, target, weight, ignore_index, float(label_smoothing), float(lse_square_scale))
+    args += (float(softcap) if softcap is not None else 0.0, reduction)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        loss, z = CrossEntropyFunction.apply(*args, in_place)
+    else:
+        loss, z, _, _ = _cross_entropy_fwd(*args, False)
+    loss = loss.to(logits.dtype)
+    return (loss, z.to(logits.dtype)) if return_z_loss else loss
+
+
+class LckCrossEntropyLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`cross_entropy`: ``forward(logits, target)``; options as keywords.
+
+    ``weight`` (class weights) is registered as a buffer, so it follows ``.to(device)``.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        reduction: str = "mean",
+        return_z_loss: bool = False,
+        in_place: bool = False,
+    ):
+        super().__init__()
+        check_loss_options(
+            "LckCrossEntropyLoss",
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            reduction=reduction,
+        )
+        if weight is not None and not isinstance(weight, torch.Tensor):
+            raise TypeError(
+                f"LckCrossEntropyLoss: weight must be None or a tensor, got {type(weight).__name__}"
+            )
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.label_smoothing, self.lse_square_scale = (
+            ignore_index,
+            label_smoothing,
+            lse_square_scale,
+        )
+        self.softcap, self.reduction, self.return_z_loss, self.in_place = (
+            softcap,
+            reduction,
+            return_z_loss,
+            in_place,
+        )
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor):
+        return cross_entropy(
+            logits,
+            target,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap,
+            reduction=self.reduction,
+            return_z_loss=self.return_z_loss,
+            in_place=self.in_place,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+            f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, reduction={self.reduction!r}"
+        )
+
+
+__all__ = ["REDUCTIONS", "CrossEntropyFunction", "LckCrossEntropyLoss", "cross_entropy"]
