@@ -80,11 +80,11 @@ def new_barrier_status(device: Any = None) -> torch.Tensor:
     return torch.zeros(STATUS_WORDS, dtype=torch.int64, device=dev)
 
 
-def _check_int(value: Any, name: str, lo: int, hi: int) -> int:
+def _check_int(value: Any, name: str, lo: int, hi: int, where: str = "team_barrier") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"team_barrier: {name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"team_barrier: {name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{where}: {name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -207,7 +207,7 @@ class TeamBarrier:
                 )
         if len(set(ptrs)) != len(ptrs):
             raise ValueError(f"TeamBarrier: peer_flag_ptrs has repeated addresses: {[hex(p) for p in ptrs]}")
-        _check_int(my_index, "my_index", 0, len(ptrs) - 1)
+        _check_int(my_index, "my_index", 0, len(ptrs) - 1, "TeamBarrier")
         if (
             isinstance(timeout_s, bool)
             or not isinstance(timeout_s, (int, float))

@@ -152,7 +152,7 @@ def file_lock(path: Path, timeout: float) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise JitError(
-                        f"waited {timeout:.0f} s for the JIT cache lock {path}: another process is still "
+                        f"waited {timeout:g} s for the JIT cache lock {path}: another process is still "
                         "building this entry (a hung nvcc?). Kill it or raise lock_timeout"
                     ) from None
                 time.sleep(delay)
@@ -188,7 +188,7 @@ def quarantine(root: Path, path: Path) -> None:
     _remove(dest)
 
 
-def _read_settled(path: Path, key: str, attempts: int = 6) -> tuple[Entry | None, str | None]:
+def _read_settled(path: Path, key: str, attempts: int = 5) -> tuple[Entry | None, str | None]:
     """read_entry, retried with back-off while the entry looks torn (an NFS client may show another
     host's freshly renamed directory before its files)."""
     delay = 0.05
