@@ -33,6 +33,7 @@ from lck_kernels._common import (
     FLOAT_DTYPES,
     cdiv,
     check_choice,
+    check_float,
     check_same_device,
     check_tensor,
     define_op,
@@ -53,6 +54,7 @@ MAX_BLOCK = 16384
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
+# fmt: off
 
 
 @triton.jit
@@ -71,21 +73,12 @@ def _normalise(xf, rstd, w, CASTING: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    rstd_ptr,
-    n_rows,
-    n_cols,
-    stride_x,
-    stride_y,
-    eps,
-    offset,
-    CASTING: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILED: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_y, eps, offset, CASTING: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr,
 ):
+    # Float scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    eps = tl.cast(eps, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -122,7 +115,7 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _effective_weight(w_ptr, cols, col_mask, offset, CASTING: tl.constexpr, DT: tl.constexpr):
     """``offset + w`` in fp32 as the forward used it (rounded to x's dtype in mode "none")."""
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     if CASTING == 2:
         w = w.to(DT).to(tl.float32)
     return w
@@ -130,22 +123,8 @@ def _effective_weight(w_ptr, cols, col_mask, offset, CASTING: tl.constexpr, DT: 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dw_partial_ptr,
-    n_rows,
-    n_cols,
-    rows_per_program,
-    stride_dy,
-    stride_x,
-    stride_dx,
-    offset,
-    CASTING: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program, stride_dy,
+    stride_x, stride_dx, offset, CASTING: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Persistent: program ``p`` owns rows ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
     pid = tl.program_id(0)
@@ -176,18 +155,8 @@ def _rms_norm_bwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_dot_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    rstd_ptr,
-    dot_ptr,
-    n_rows,
-    n_cols,
-    stride_dy,
-    stride_x,
-    offset,
-    CASTING: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dot_ptr, n_rows, n_cols, stride_dy, stride_x, offset, CASTING:
+    tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Tiled path, step 1: ``dot[r] = mean((dy * w) * x * rstd)`` per row."""
     row = tl.program_id(0).to(tl.int64)
@@ -207,23 +176,9 @@ def _rms_norm_bwd_dot_kernel(
 
 @triton.jit
 def _rms_norm_bwd_tiled_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    rstd_ptr,
-    dot_ptr,
-    dx_ptr,
-    dw_partial_ptr,
-    n_rows,
-    n_cols,
-    rows_per_program,
-    stride_dy,
-    stride_x,
-    stride_dx,
-    offset,
-    CASTING: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dot_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
+    stride_dy, stride_x, stride_dx, offset, CASTING: tl.constexpr, ROWS: tl.constexpr, BLOCK_N:
+    tl.constexpr,
 ):
     """Tiled path, step 2: grid (column tiles, row groups); ``dx`` and a partial ``dweight`` per tile."""
     pid_n = tl.program_id(0)
@@ -251,6 +206,7 @@ def _rms_norm_bwd_tiled_kernel(
     tl.store(dw_partial_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
+# fmt: on
 # ---------------------------------------------------------------------------------------------------------
 # Validation, launch configuration, launches
 # ---------------------------------------------------------------------------------------------------------
@@ -271,15 +227,8 @@ def _check_rms_norm_inputs(
     if weight.stride(0) != 1 and weight.shape[0] > 1:
         raise ValueError(f"{op}: weight must be contiguous, got stride {weight.stride(0)}")
     rows_view(op, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
-        raise ValueError(f"{op}: eps must be a finite float >= 0, got {eps!r}")
-    if (
-        isinstance(offset, bool)
-        or not isinstance(offset, (int, float))
-        or offset != offset
-        or abs(offset) == float("inf")
-    ):
-        raise ValueError(f"{op}: offset must be a finite float, got {offset!r}")
+    check_float(op, "eps", eps, minimum=0.0)
+    check_float(op, "offset", offset)
     check_choice(op, "casting_mode", casting_mode, CASTING_MODES)
 
 
