@@ -296,6 +296,21 @@ _cross_entropy_rescale_ = define_op(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def unpack_saved_gradient(ctx, op: str) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors``, with a clear error when a gradient computed in the forward was modified."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{op}: the gradient computed in the forward was modified before this backward. Either backward "
+            f"ran a second time over the same graph (retain_graph=True), which {op} does not support because "
+            f"the backward rescales that gradient in place (run the forward again), or an in-place op wrote "
+            f"into buffers {op} saved (with in_place=True: the logits)."
+        ) from exc
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Forward computes loss and gradient (``lck::cross_entropy_fwd[_]``); backward rescales it in place."""
 
@@ -324,7 +339,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_z):
-        grad, applied = ctx.saved_tensors
+        grad, applied = unpack_saved_gradient(ctx, "cross_entropy")
         _cross_entropy_rescale_(grad, applied, grad_loss)
         return grad, None, None, None, None, None, None, None, None
 

@@ -1,0 +1,222 @@
+"""The chunked engine behind ``fused_linear_cross_entropy`` and ``fused_linear_scaled_cross_entropy``.
+
+Logits ``x·Wᵀ (+ b)`` exist one chunk of tokens at a time, in one reused ``[chunk, vocab]`` buffer in ``x``'s
+dtype (cuBLAS: bf16/fp16 in, fp32 accumulation, rounded once on output). The cross-entropy row kernels of
+``_cross_entropy_kernels`` read that buffer and overwrite it with ``∂L/∂logits``, which then feeds the two
+gradient GEMMs. Two schedules:
+
+- **gradients in the forward** (``forward_with_grads``; reductions ``sum``/``mean``): per chunk, logits →
+  loss and gradient → ``grad_x[chunk] = dlogits·W``, ``grad_W += dlogitsᵀ·x[chunk]``, ``grad_b += Σ_rows
+  dlogits``. Three GEMMs per token, no second pass: the backward only multiplies the finished gradients
+  by the (scalar) incoming gradient, on the device, exiting at once when it is 1.
+- **recompute** (``forward_stats`` + ``backward_recompute``; ``reduction="none"`` and the scaled op): the
+  incoming gradient is one value per token and is known only in the backward, and ``grad_W`` mixes tokens,
+  so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
+  four GEMMs per token.
+
+Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 512 MiB, gives the chunk length;
+2048 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
+the ``[tokens]`` rows and the gradients themselves. ``grad_W`` accumulates in ``W``'s dtype through
+``addmm`` (fp32 inside each GEMM, one rounding per chunk): an fp32 accumulator would add ``4·V·H`` bytes
+(2 GiB at 128256 × 4096), over three times the logits budget; the tests bound the resulting error against
+a float64 reference. Large chunks also keep cuBLAS efficient: skinny GEMMs run far below peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lck_kernels._common import cdiv
+from lck_kernels._cross_entropy_launch import CEOptions, launch_bwd, launch_fwd, launch_reduction
+from lck_kernels.cross_entropy import finalize_loss
+
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+CHUNK_ALIGN = 128  # chunk lengths are multiples of this where possible: whole GEMM tiles
+
+
+def plan_chunk_tokens(
+    n_tokens: int,
+    vocab: int,
+    element_size: int,
+    *,
+    chunk_bytes: int | None = None,
+    max_chunk_tokens: int | None = None,
+) -> int:
+    """Tokens per chunk: the most whose ``[chunk, vocab]`` logits fit ``chunk_bytes``, balanced over chunks.
+
+    The cap is rounded down to a multiple of 128 (when at least 128), optionally lowered to
+    ``max_chunk_tokens``; the tokens are then split into equal chunks (rounded up to 128 where that stays
+    under the cap), so 5000 tokens under a 2048 cap run as 1792 + 1792 + 1416, not 2048 + 2048 + 904.
+    """
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    cap = max(1, budget // max(1, vocab * element_size))
+    if cap >= CHUNK_ALIGN:
+        cap -= cap % CHUNK_ALIGN
+    if max_chunk_tokens is not None:
+        cap = max(1, min(cap, max_chunk_tokens))
+    if n_tokens <= cap:
+        return max(1, n_tokens)
+    even = cdiv(n_tokens, cdiv(n_tokens, cap))
+    aligned = cdiv(even, CHUNK_ALIGN) * CHUNK_ALIGN
+    return aligned if aligned <= cap else even
+
+
+def _logits(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(x_c, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x_c, weight.t(), out=out)
+
+
+def _rows(n: int, device: torch.device, on: bool = True) -> torch.Tensor | None:
+    return torch.empty(n, dtype=torch.float32, device=device) if on else None
+
+
+def _accumulate_grads(
+    dlogits: torch.Tensor,
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    first: bool,
+    grad_x_c: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b32: torch.Tensor | None,
+) -> None:
+    if grad_x_c is not None:
+        torch.mm(dlogits, weight, out=grad_x_c)
+    if grad_w is not None:
+        if first:  # no zero fill of a V×H buffer: the first chunk writes it
+            torch.mm(dlogits.t(), x_c, out=grad_w)
+        else:
+            grad_w.addmm_(dlogits.t(), x_c)
+    if grad_b32 is not None:
+        grad_b32 += dlogits.sum(0, dtype=torch.float32)
+
+
+def _grad_buffers(x, weight, bias, need_x: bool, need_w: bool, need_b: bool):
+    dev = x.device
+    grad_x = torch.empty(x.shape if need_x else (0,), dtype=x.dtype, device=dev)
+    grad_w = torch.empty(weight.shape if need_w else (0,), dtype=weight.dtype, device=dev)
+    grad_b32 = torch.zeros(weight.shape[0] if need_b else 0, dtype=torch.float32, device=dev)
+    return grad_x, grad_w, grad_b32
+
+
+def _finish_bias(grad_b32: torch.Tensor, bias: torch.Tensor | None, need_b: bool) -> torch.Tensor:
+    dtype = bias.dtype if bias is not None else torch.float32
+    return grad_b32.to(dtype) if need_b else grad_b32.new_empty(0, dtype=dtype)
+
+
+def forward_with_grads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """(loss, z_loss, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``; float32 losses; unneeded
+    gradients are empty. ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
+    n, v, dev = x.shape[0], weight.shape[0], x.device
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
+    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
+    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
+    applied = torch.empty(min(chunk, n), dtype=torch.float32, device=dev)  # unused by the fused schedule
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits, x_c = buf[: e - s], x[s:e]
+        _logits(x_c, weight, bias, logits)
+        launch_fwd(
+            logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
+            zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[: e - s], wrap=False,
+        )  # fmt: skip
+        _accumulate_grads(
+            logits, x_c, weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            grad_b32 if need_b else None,
+        )  # fmt: skip
+    if need_w and n == 0:
+        grad_w.zero_()
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+
+
+def forward_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    entropy: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, entropy) in float32 without gradients; ``entropy`` is empty unless asked for."""
+    n, v, dev = x.shape[0], weight.shape[0], x.device
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
+    ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
+    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits = buf[: e - s]
+        _logits(x[s:e], weight, bias, logits)
+        launch_fwd(
+            logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
+            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, wrap=False,
+        )  # fmt: skip
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, lse, ent
+
+
+def _row_slice(g: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+    return g[s:e] if g is not None and g.dim() == 1 else g
+
+
+def backward_recompute(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_loss: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_w, grad_b) of ``Σ g_loss·loss + g_lse·lse + g_entropy·H`` by recomputing the logits.
+
+    ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``; ``g_lse``/``g_entropy`` are ``[N]``
+    or ``None``. Unneeded gradients come back empty.
+    """
+    n, v, dev = x.shape[0], weight.shape[0], x.device
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
+    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits, x_c = buf[: e - s], x[s:e]
+        _logits(x_c, weight, bias, logits)
+        launch_bwd(
+            logits, logits, target[s:e], class_weight, red, opts, lse=lse[s:e],
+            entropy=entropy[s:e] if entropy is not None else None, g_loss=_row_slice(g_loss, s, e),
+            g_lse=_row_slice(g_lse, s, e), g_entropy=_row_slice(g_entropy, s, e), wrap=False,
+        )  # fmt: skip
+        _accumulate_grads(
+            logits, x_c, weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            grad_b32 if need_b else None,
+        )  # fmt: skip
+    if need_w and n == 0:
+        grad_w.zero_()
+    return grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
