@@ -88,7 +88,7 @@ def test_validation() -> None:
     norm = LckMegatronRMSNorm(8)
     with pytest.raises(ValueError, match="trailing"):
         norm(torch.randn(4, 7))
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         norm([1.0] * 8)
 
 
