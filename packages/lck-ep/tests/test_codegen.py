@@ -16,7 +16,7 @@ def test_unset_knobs_give_the_same_bytes_every_time() -> None:
     assert a.source.encode() == b.source.encode()
     assert a.defines == b.defines == {}
     assert a.kernel == LAYOUT_KERNEL == "ep_layout_kernel"
-    assert f'extern "C" __global__' in a.source and f"{LAYOUT_KERNEL}(" in a.source
+    assert 'extern "C" __global__' in a.source and f"{LAYOUT_KERNEL}(" in a.source
 
 
 def test_integer_knobs_never_touch_the_source() -> None:

@@ -127,7 +127,9 @@ def test_extra_flags_knob_is_forwarded_once(jit_env: Path, capfd, monkeypatch) -
         ({"EP_JIT_EXTRA_FLAGS": "-O0"}, ValueError, "EP_JIT_EXTRA_FLAGS"),
     ],
 )
-def test_bad_values_are_refused_before_nvcc_runs(env, exc, fragment, jit_env: Path, capfd, monkeypatch) -> None:
+def test_bad_values_are_refused_before_nvcc_runs(
+    env, exc, fragment, jit_env: Path, capfd, monkeypatch
+) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     capfd.readouterr()
@@ -141,7 +143,9 @@ def test_bad_values_are_refused_before_nvcc_runs(env, exc, fragment, jit_env: Pa
 
 
 @pytest.mark.parametrize("bits", [8, 16, 32])
-def test_narrow_topk_index_types_compile_for_both_targets(bits: int, jit_env: Path, capfd, monkeypatch) -> None:
+def test_narrow_topk_index_types_compile_for_both_targets(
+    bits: int, jit_env: Path, capfd, monkeypatch
+) -> None:
     monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", str(bits))
     hopper, _ = _compile(capfd, "sm_90a")
     blackwell, commands = _compile(capfd, "sm_100a")

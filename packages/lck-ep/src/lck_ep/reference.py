@@ -76,7 +76,11 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]])
         width = torch.empty((), dtype=dtype).element_size()
         for s in shape:
             width *= s
-        out.append(buf[:, col : col + width].contiguous().view(dtype).reshape(rows, *shape))
+        # A fresh buffer (not .contiguous(), which keeps a one-row slice's stride and offset) so the
+        # bytes can be viewed as a wider dtype.
+        field = torch.empty(rows, width, dtype=torch.uint8, device=buf.device)
+        field.copy_(buf[:, col : col + width])
+        out.append(field.view(dtype).reshape(rows, *shape))
         col += width
     return out
 

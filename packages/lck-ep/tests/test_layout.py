@@ -1,0 +1,188 @@
+"""The dispatch layout: torch reference vs explicit loops (CPU), JIT kernel vs torch bit for bit (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _routing import KINDS, assert_layout_equals_naive, route
+
+from lck_ep.layout import get_dispatch_layout, layout_reference
+
+CASES = [
+    # (tokens, top-k, experts, ranks)
+    (37, 8, 16, 2),
+    (50, 1, 6, 3),
+    (64, 4, 32, 4),
+    (1, 2, 4, 4),
+    (0, 3, 8, 2),
+    (29, 6, 12, 1),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("t", "k", "e", "r"), CASES)
+def test_reference_matches_loops(kind: str, t: int, k: int, e: int, r: int) -> None:
+    g = torch.Generator().manual_seed(hash((kind, t, k, e, r)) % 2**31)
+    idx = route(kind, t, k, e, r, g)
+    assert_layout_equals_naive(layout_reference(idx, e, r), idx, e, r, f"{kind} {t}x{k} E={e} R={r}")
+
+
+def test_out_of_range_entries_are_ignored_like_minus_one() -> None:
+    idx = torch.tensor([[-7, 3, 8], [9, -1, 0], [2, 2, 100]])
+    layout = layout_reference(idx, 8, 2)
+    assert_layout_equals_naive(layout, idx, 8, 2)
+    assert layout.num_tokens_per_expert.tolist() == [1, 0, 2, 1, 0, 0, 0, 0]
+    assert layout.is_token_in_rank.tolist() == [[True, False], [True, False], [True, False]]
+
+
+def test_a_token_counts_once_per_rank_but_once_per_slot_per_expert() -> None:
+    idx = torch.tensor([[1, 0, 1, 5]])  # experts 0,1 on rank 0 (three slots), 5 on rank 1
+    layout = layout_reference(idx, 8, 2)
+    assert layout.num_tokens_per_rank.tolist() == [1, 1]
+    assert layout.num_tokens_per_expert.tolist() == [1, 2, 0, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "fragment"),
+    [
+        ((torch.zeros(4, 2, dtype=torch.int32), 8, 2), TypeError, "topk_idx must be int64"),
+        ((torch.zeros(4, dtype=torch.int64), 8, 2), ValueError, "topk_idx must be 2-D"),
+        ((torch.zeros(4, 0, dtype=torch.int64), 8, 2), ValueError, "at least one column"),
+        ((torch.zeros(2, 4, dtype=torch.int64).t(), 8, 2), ValueError, "topk_idx must be contiguous"),
+        (
+            (torch.zeros(4, 2, dtype=torch.int64), 9, 2),
+            ValueError,
+            "num_experts (9) must be a multiple of num_ranks (2)",
+        ),
+        ((torch.zeros(4, 2, dtype=torch.int64), 0, 2), ValueError, "num_experts must be a positive int"),
+        ((torch.zeros(4, 2, dtype=torch.int64), 8, True), ValueError, "num_ranks must be a positive int"),
+        (([[0, 1]], 8, 2), TypeError, "topk_idx must be a torch.Tensor"),
+    ],
+)
+def test_bad_arguments(args, exc, fragment) -> None:
+    with pytest.raises(exc) as info:
+        layout_reference(*args)
+    assert fragment in str(info.value)
+
+
+def test_kernel_needs_cuda_tensors() -> None:
+    with pytest.raises(ValueError, match="use_kernel=True needs a CUDA topk_idx"):
+        get_dispatch_layout(torch.zeros(3, 2, dtype=torch.int64), 4, 2, use_kernel=True)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_CASES = [
+    # (tokens, top-k, experts, ranks): grid-stride (> 4 blocks/SM of 256), > 64 ranks (two mask chunks),
+    # single token, empty, top-1, many experts
+    (70_000, 8, 256, 8),
+    (4096, 8, 256, 2),
+    (513, 6, 192, 96),
+    (1, 1, 4, 1),
+    (0, 4, 16, 4),
+    (3000, 1, 64, 64),
+    (2048, 8, 4096, 16),
+]
+
+
+def _env_clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "EP_NUM_SUB_PARTS",
+        "EP_MIN_SUB_TOKENS",
+        "EP_SM100_MIN_SUB_TOKENS",
+        "EP_NUM_TOPK_IDX_BITS",
+        "EP_HYBRID_KERNEL",
+        "EP_JIT_EXTRA_FLAGS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+@pytest.mark.parametrize("bits", [64, 32, 16])
+@pytest.mark.parametrize(("t", "k", "e", "r"), GPU_CASES)
+def test_kernel_equals_torch_layout_bit_for_bit(bits, t, k, e, r, monkeypatch) -> None:
+    from lck_ep.jit import layout_kernel
+
+    _env_clean(monkeypatch)
+    if bits != 64:
+        monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", str(bits))
+    if e > 2 ** (bits - 1):
+        pytest.skip(f"{e} experts do not fit {bits}-bit indices (refusal tested below)")
+    for kind in KINDS:
+        g = torch.Generator().manual_seed(1000 * t + 10 * k + e + r + bits)
+        idx = route(kind, t, k, e, r, g)
+        if kind == "minus_one" and t:
+            # also entries the host would reject: the kernel must ignore them like the reference does
+            idx[1::7, 0] = e + 3
+            idx[2::11, -1] = -5
+        idx = idx.cuda()
+        got = layout_kernel(idx, e, r)
+        want = layout_reference(idx, e, r)
+        what = f"{kind} T={t} K={k} E={e} R={r} bits={bits}"
+        for name, a, b in zip(want._fields, got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {name} {a.dtype}{list(a.shape)}"
+            assert torch.equal(a, b), f"{what}: {name} differs in {int((a != b).sum())} places"
+        if t <= 600:
+            assert_layout_equals_naive(got, idx, e, r, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_kernel_writes_every_mask_element_and_adds_into_counts(monkeypatch) -> None:
+    """Launch the built kernel directly with a poisoned mask and nonzero counts."""
+    from lck_ep.jit import build_layout_kernel
+    from lck_runtime.jit import I32
+
+    _env_clean(monkeypatch)
+    t, k, e, r = 1000, 4, 32, 8
+    idx = route("minus_one", t, k, e, r, torch.Generator().manual_seed(7)).cuda()
+    kernel = build_layout_kernel()
+    mask = torch.ones(t, r, dtype=torch.bool, device="cuda")  # poison: all True
+    per_rank = torch.full((r,), 5, dtype=torch.int32, device="cuda")
+    per_expert = torch.full((e,), 3, dtype=torch.int32, device="cuda")
+    kernel.launch(
+        (2, 1, 1),
+        (256, 1, 1),
+        [idx, I32(t), I32(k), I32(e), I32(r), per_rank, per_expert, mask],
+        shared_mem=4 * (e + r),
+    )
+    want = layout_reference(idx, e, r)
+    assert torch.equal(mask, want.is_token_in_rank)
+    assert torch.equal(per_rank, want.num_tokens_per_rank + 5)
+    assert torch.equal(per_expert, want.num_tokens_per_expert + 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_kernel_launch_has_no_host_sync(monkeypatch) -> None:
+    from lck_ep.jit import layout_kernel
+
+    _env_clean(monkeypatch)
+    idx = route("balanced", 4096, 8, 64, 8, torch.Generator().manual_seed(3)).cuda()
+    layout_kernel(idx, 64, 8)  # build and load outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = layout_kernel(idx, 64, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.is_token_in_rank, layout_reference(idx, 64, 8).is_token_in_rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_kernel_refuses_what_it_cannot_hold(monkeypatch) -> None:
+    from lck_ep.jit import layout_kernel
+    from lck_ep.knobs import KnobError
+
+    _env_clean(monkeypatch)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="shared memory"):
+        layout_kernel(idx, 16384, 2)
+    monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", "8")
+    with pytest.raises(KnobError, match="num_experts=256"):
+        layout_kernel(idx, 256, 2)
+    monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", "7")
+    with pytest.raises(KnobError, match="EP_NUM_TOPK_IDX_BITS=7"):
+        layout_kernel(idx, 16, 2)
