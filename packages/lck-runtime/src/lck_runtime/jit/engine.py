@@ -404,7 +404,10 @@ class Kernel:
                 raise ValueError(f"launch: cluster {c} must divide grid {g} in every dimension")
             if c[0] * c[1] * c[2] > 8:
                 raise ValueError(f"launch: cluster {c} has more than 8 blocks (the portable maximum)")
-        dev = self._device(None)
+        # Fast path: a device this kernel is already loaded on was checked then (arch, index).
+        dev = torch.cuda.current_device() if torch.cuda.is_initialized() else -1
+        if dev not in self._functions:
+            dev = self._device(None)
         kinds, values = pack_args(args, dev, where=f"{self.name}.launch")
         if stream is None:
             handle = torch.cuda.current_stream(dev).cuda_stream
