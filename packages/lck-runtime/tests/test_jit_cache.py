@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shlex
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -378,3 +379,30 @@ def test_publish_race_without_a_shared_lock(tmp_path):
     mine = get_or_create(broken_root, "item", key, produce_after_corrupt_publish, lock_timeout=5)
     assert not mine.from_cache and mine.payload == b"mine"
     assert read_entry(broken_root / won.path.name, key)[0].payload == b"mine"
+
+
+def test_stale_build_folders_are_swept(tmp_path):
+    root = tmp_path / "cache"
+    for d in ("", ".locks", ".tmp", ".trash"):
+        (root / d).mkdir(exist_ok=True)
+    key = compute_key({"sweep": 1})
+    name = f"item-{key[:16]}"
+    old, fresh, other = (
+        root / ".tmp" / f"{name}.dead",
+        root / ".tmp" / f"{name}.live",
+        root / ".tmp" / "other.dead",
+    )
+    for d in (old, fresh, other):
+        d.mkdir()
+        (d / "partial.cubin").write_bytes(b"half")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    os.utime(other, (two_hours_ago, two_hours_ago))
+
+    def produce(tmp: Path) -> dict:
+        (tmp / "payload.bin").write_bytes(b"data")
+        return {"file": "payload.bin"}
+
+    get_or_create(root, "item", key, produce, lock_timeout=5)
+    assert not old.exists(), "a dead builder's folder for this entry was left behind"
+    assert fresh.exists() and other.exists(), "only this entry's stale folders may be swept"

@@ -202,6 +202,22 @@ def _read_settled(path: Path, key: str, attempts: int = 5) -> tuple[Entry | None
     return entry, why
 
 
+STALE_BUILD_SECONDS = 3600.0
+
+
+def _sweep_stale_builds(root: Path, entry: str) -> None:
+    """Delete this entry's build folders left by builders that died (killed nvcc, lost node).
+
+    Called with the entry's lock held, so no live local builder owns them; the age threshold also
+    spares a builder on another host whose lock we cannot see.
+    """
+    now = time.time()
+    for d in (root / ".tmp").glob(f"{entry}.*"):
+        with contextlib.suppress(OSError):
+            if now - d.stat().st_mtime > STALE_BUILD_SECONDS:
+                _remove(d)
+
+
 def get_or_create(
     root: Path,
     name: str,
@@ -229,6 +245,7 @@ def get_or_create(
                 f"JIT cache entry {final} is unusable ({why}); rebuilding it", RuntimeWarning, stacklevel=3
             )
             quarantine(root, final)
+        _sweep_stale_builds(root, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.", dir=root / ".tmp"))
         try:
             fields = produce(tmp)
