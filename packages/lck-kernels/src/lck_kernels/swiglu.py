@@ -35,6 +35,7 @@ from lck_kernels._common import (
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
+# fmt: off
 
 
 @triton.jit
@@ -51,16 +52,8 @@ def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    n_rows,
-    n_cols,
-    stride_a,
-    stride_b,
-    stride_c,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, n_rows, n_cols, stride_a, stride_b, stride_c, BLOCK_M: tl.constexpr, BLOCK_N:
+    tl.constexpr,
 ):
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
@@ -71,20 +64,8 @@ def _swiglu_fwd_kernel(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    a_ptr,
-    b_ptr,
-    dc_ptr,
-    da_ptr,
-    db_ptr,
-    n_rows,
-    n_cols,
-    stride_a,
-    stride_b,
-    stride_dc,
-    stride_da,
-    stride_db,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    a_ptr, b_ptr, dc_ptr, da_ptr, db_ptr, n_rows, n_cols, stride_a, stride_b, stride_dc, stride_da,
+    stride_db, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``da``/``db`` may alias ``a``/``b`` (in-place packed backward): every element is loaded before it is
     stored by the same thread, and the launch config never replicates elements across threads."""
@@ -100,6 +81,7 @@ def _swiglu_bwd_kernel(
     tl.store(db_ptr + rows * stride_db + cols, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
+# fmt: on
 # ---------------------------------------------------------------------------------------------------------
 # Validation, launch configuration, launches (shared with swiglu_packed)
 # ---------------------------------------------------------------------------------------------------------
@@ -123,25 +105,25 @@ def elementwise_config(kernel: str, n_cols: int, element_size: int, *, tile: int
     """``BLOCK_M`` × ``BLOCK_N`` tile (about ``tile`` elements, a row first) and ``num_warps`` for ``kernel``
     (``"swiglu_fwd"`` or ``"swiglu_bwd"``).
 
-    Warps never exceed what the tile fills with 16-byte vectors, so no element is held by two threads
-    (which the in-place backward relies on). Raises ``ValueError`` for an override that breaks that.
+    By default each thread gets whole 16-byte vectors. A tile always has at least one element per thread:
+    Triton then lays it out without replication, so no element is held by two threads, which the in-place
+    packed backward relies on (a replica could load an element after another thread overwrote it). Raises
+    ``ValueError`` for an override that breaks that.
     """
     block_n = min(next_power_of_2(n_cols), tile)
     block_m = max(1, tile // block_n)
     vec = max(1, VECTOR_BYTES // element_size)
-    max_warps = max(1, block_m * block_n // (32 * vec))
-    cfg = tuned(
-        kernel,
-        {
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "num_warps": min(max_warps, warps_for(block_m * block_n, element_size)),
-        },
-    )
-    if cfg["num_warps"] * 32 * vec > cfg["BLOCK_M"] * cfg["BLOCK_N"]:
+    full_vectors = max(1, block_m * block_n // (32 * vec))
+    defaults = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "num_warps": min(full_vectors, warps_for(tile, element_size)),
+    }
+    cfg = tuned(kernel, defaults)
+    if cfg["num_warps"] * 32 > cfg["BLOCK_M"] * cfg["BLOCK_N"]:
         raise ValueError(
             f"{kernel}: num_warps={cfg['num_warps']} is too many for a {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tile "
-            f"of {element_size}-byte elements (threads would share elements)"
+            f"(fewer elements than threads: threads would share elements)"
         )
     return cfg
 
