@@ -45,7 +45,10 @@ def is_native() -> bool:
 
 
 def domain_of(bootstrap_group: Any, what: str) -> Domain:
-    """The bootstrap domain: ``bootstrap_group`` (WORLD when None). Local: raises before any agreement."""
+    """The bootstrap domain: ``bootstrap_group``; when None, the configured domain, else WORLD.
+
+    Local: raises before any agreement (without a domain there is nobody to agree with).
+    """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -53,6 +56,8 @@ def domain_of(bootstrap_group: Any, what: str) -> Domain:
             f"{what}: torch.distributed is not initialised; call torch.distributed.init_process_group "
             "first (lck setup calls are collective over the bootstrap group)"
         )
+    if bootstrap_group is None and STATE.domain is not None:
+        return STATE.domain
     group = dist.group.WORLD if bootstrap_group is None else bootstrap_group
     ranks = membership(group, f"{what}: bootstrap_group")
     if STATE.domain is not None and STATE.domain.ranks == ranks:
@@ -376,7 +381,8 @@ def configure(
     - ``process_groups``: name → ProcessGroup (Megatron: ``{"tp": pgc.tp, "ep": pgc.ep}``); each name
       is a uniform strided partition of the bootstrap group. Additive across calls; an existing name
       keeps its ordered membership.
-    - ``bootstrap_group``: the NVSHMEM world (default WORLD).
+    - ``bootstrap_group``: the NVSHMEM world (default: WORLD on the first call, then the configured
+      bootstrap group).
     - ``device``: this process's CUDA device (default: the current one; CPU when CUDA is absent).
     - ``flsce`` / ``moe``: sections whose ``group`` names a registered group (``None``: the bootstrap
       group). Equal or smaller repeats reuse reservations; growth is rejected before any change.
@@ -417,7 +423,7 @@ def configure(
                 GroupEntry(name=name, group=req.names[name], ranks=req.ranks[name], partition=part)
             )
         else:
-            st.registry._pg_ranks[req.names[name]] = req.ranks[name]  # another handle, same membership
+            st.registry.alias(req.names[name], req.ranks[name])
     allocated = False
     if req.flsce is not None and setup.flsce_partition is not None:
         part = setup.flsce_partition

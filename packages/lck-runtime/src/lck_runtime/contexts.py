@@ -155,6 +155,7 @@ class FlsceContext(_Context):
         """In-place all-reduce of ``t`` over the group; see :func:`lck_runtime.collectives.all_reduce_`."""
         from lck_runtime.collectives import all_reduce_
 
+        self._check()
         return all_reduce_(self, t, op)
 
     @property

@@ -10,11 +10,11 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
+from lck_runtime.nvshmem import NATIVE_ARCHS
+from lck_runtime.nvshmem import status as nvshmem_status
 from lck_runtime.paths import jit_cache_dir
 
 LAYERS = ("lck", "lck-runtime", "lck-kernels", "lck-ep", "lck-megatron")
-# Architectures the native (NVSHMEM + JIT) paths are built for; others use torch.distributed paths.
-NATIVE_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_100a"}
 
 
 def _version(dist: str) -> str | None:
@@ -58,17 +58,12 @@ def gpu_info() -> list[dict[str, Any]]:
 
 
 def nvshmem_info() -> dict[str, Any]:
+    """Installed wheels, then what nvshmem4py reports from this process (importing it needs no GPU)."""
     info: dict[str, Any] = {
         "nvshmem4py": _version("nvshmem4py-cu13"),
         "library": _version("nvidia-nvshmem-cu13"),
     }
-    try:
-        import nvshmem.core as nvshmem  # noqa: F401  (import needs no GPU)
-
-        info["importable"] = True
-    except Exception as exc:
-        info["importable"] = False
-        info["import_error"] = f"{type(exc).__name__}: {exc}"
+    info.update(nvshmem_status())
     return info
 
 
@@ -121,9 +116,7 @@ def _render(r: dict[str, Any]) -> str:
     lines.append(
         f"nvcc         {nv['version']} at {nv['path']}" if nv["path"] else "nvcc         not found (JIT off)"
     )
-    sh = r["nvshmem"]
-    state = "importable" if sh.get("importable") else f"not importable ({sh.get('import_error')})"
-    lines.append(f"NVSHMEM      nvshmem4py {sh['nvshmem4py']}, libnvshmem {sh['library']}, {state}")
+    lines.extend(_render_nvshmem(r["nvshmem"]))
     lines.append(f"megatron     {r['megatron_core'] or 'not installed'}")
     lines.append("layers       " + ", ".join(f"{k} {v}" for k, v in r["layers"].items() if v) or "none")
     missing = [k for k, v in r["layers"].items() if not v and k != "lck"]
@@ -131,6 +124,30 @@ def _render(r: dict[str, Any]) -> str:
         lines.append(f"not installed {', '.join(missing)}")
     lines.append(f"JIT cache    {r['jit_cache_dir']} (lck-ep: {r['ep_jit_cache_dir']})")
     return "\n".join(lines)
+
+
+def _render_nvshmem(sh: dict[str, Any]) -> list[str]:
+    if not sh.get("importable"):
+        return [
+            f"NVSHMEM      nvshmem4py {sh['nvshmem4py']}, libnvshmem {sh['library']}, "
+            f"not importable ({sh.get('import_error')}): torch.distributed paths only"
+        ]
+    lib = (
+        sh.get("libnvshmem_version")
+        or f"{sh['library']} (host library not loadable: {sh.get('version_error')})"
+    )
+    lines = [f"NVSHMEM      nvshmem4py {sh.get('nvshmem4py_version', sh['nvshmem4py'])}, libnvshmem {lib}"]
+    if "init_status" in sh:
+        owner = "owned by lck" if sh.get("owned_by_lck") else "not owned by lck"
+        state = f"{sh['init_status_name']} ({sh['init_status']})"
+        if sh.get("owned_by_lck"):
+            state += f", PE {sh['my_pe']} of {sh['n_pes']}"
+        lines.append(f"             status {state}, {owner}")
+    else:
+        lines.append(f"             status unknown ({sh.get('init_status_error')})")
+    if sh.get("env"):
+        lines.append("             env " + ", ".join(f"{k}={v}" for k, v in sh["env"].items()))
+    return lines
 
 
 def main(argv: list[str]) -> int:

@@ -147,12 +147,9 @@ class GroupRegistry:
         self.entries[entry.name] = entry
         self._pg_ranks[entry.group] = entry.ranks
 
-    def remove_partition(self, key: tuple[int, int]) -> list[str]:
-        gone = [n for n, e in self.entries.items() if e.partition.key == key]
-        for n in gone:
-            e = self.entries.pop(n)
-            self._pg_ranks.pop(e.group, None)
-        return gone
+    def alias(self, group: Any, ranks: tuple[int, ...]) -> None:
+        """Another ProcessGroup object with a registered membership (same team, same contexts)."""
+        self._pg_ranks[group] = ranks
 
     def ranks_of(self, group: Any, what: str) -> tuple[int, ...]:
         """Ordered global ranks of a ProcessGroup, cached per group object."""
