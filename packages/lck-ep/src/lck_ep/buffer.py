@@ -151,18 +151,26 @@ class Buffer:
         world = dist.get_world_size(group)
         self.group, self.rank, self.num_ranks = group, rank, world
         backend = str(dist.get_backend(group)).lower()
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if "nccl" in backend
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        error: BaseException | None = None
+        # The agreement always runs on the group's own device kind, so that a bad `device` argument is
+        # reported (the same way on every rank) instead of breaking the collective that reports it.
+        home = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         try:
-            self._check_init(max_tokens_per_rank, hidden, num_topk, num_experts, sync_free, layout, backend)
+            self.device = home if device is None else torch.device(device)
+        except (TypeError, RuntimeError) as exc:
+            self.device = home
+            bad_device: BaseException | None = ValueError(
+                f"{where}: device={device!r} is not a device: {exc}"
+            )
+        else:
+            bad_device = None
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        error: BaseException | None = bad_device
+        try:
+            if bad_device is None:
+                self._check_init(
+                    max_tokens_per_rank, hidden, num_topk, num_experts, sync_free, layout, backend
+                )
         except (TypeError, ValueError) as exc:
             error = exc
         digest = None
@@ -176,7 +184,7 @@ class Buffer:
                 int(sync_free),
                 int(self.device.type == "cuda"),
             ]
-        agree(group, self.device, error, BUFFER_FIELDS, digest, None, 0)
+        agree(group, home, error, BUFFER_FIELDS, digest, None, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
