@@ -42,8 +42,8 @@ def test_error_is_reported_with_rank() -> None:
 def test_hang_fails_within_timeout() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"\[0\]"):
-        run_workers(_hang_on_zero, 2, timeout=20)
-    assert time.monotonic() - t0 < 60
+        run_workers(_hang_on_zero, 2, timeout=60)
+    assert time.monotonic() - t0 < 120
 
 
 def test_bad_arguments() -> None:

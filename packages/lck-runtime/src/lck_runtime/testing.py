@@ -65,16 +65,19 @@ def _entry(
             timeout=timedelta(seconds=float(env.get("LCK_TEST_PG_TIMEOUT", "120"))),
             **kwargs,
         )
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        out = fn(rank, world_size, *args)
+        # Report before tearing down: a peer that is still stuck can block destroy_process_group,
+        # and this rank's result must not be lost to that.
         results.put((rank, True, out))
     except BaseException as exc:  # report everything, including SystemExit from a test helper
         results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def run_workers(
@@ -153,6 +156,7 @@ def run_workers(
     missing = [r for r in range(world_size) if r not in outs and r not in errors]
     if errors:
         raise WorkerError(errors)
-    if missing or (stuck and len(outs) < world_size):
-        raise WorkerTimeout(f"ranks {missing or stuck} did not finish within {timeout:.0f} s")
+    if missing:
+        raise WorkerTimeout(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
+    del stuck  # ranks that reported but hung in teardown were killed above; their results stand
     return [outs[r] for r in range(world_size)]
