@@ -314,6 +314,8 @@ def _plan_setup(st: RuntimeState, domain: Domain, req: _Request, facts: list[dic
     if req.native and not st.configured:
         seen: dict[tuple[str, int], int] = {}
         for r, f in enumerate(facts):
+            if f["device index"] is None:  # not a CUDA device: nothing to share
+                continue
             key = (f["host"], f["device index"])
             if key in seen:
                 raise ValueError(
@@ -468,9 +470,10 @@ def configure(
     if nvs is not None and allocated:
         # Peers write signals into this rank's fresh (zeroed) buffers as soon as they start: nobody
         # leaves configure before every rank's zeroing has finished.
-        import torch
+        if st.device.type == "cuda":
+            import torch
 
-        torch.cuda.synchronize(st.device)
+            torch.cuda.synchronize(st.device)
         exchange(domain, "configure (reservations ready)", None)
     if not st.native and not _warned:
         _warned = True

@@ -1,0 +1,140 @@
+"""Symmetric reservations: the pool's rules, and the bootstrap-wide order of NVSHMEM collectives.
+
+The order test runs the native branches of configure and the lifecycle calls over gloo with a
+recorder in place of nvshmem4py (the real library needs GPUs: tests/test_nvshmem_gpu.py). NVSHMEM
+splits, allocations and frees are collectives over every PE, so the contract checked here is that
+every rank issues exactly the same sequence of them, whatever its group memberships.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lck_runtime.symmetric import SymmetricPool
+from lck_runtime.testing import run_workers
+
+
+def test_pool_reuse_release_and_order() -> None:
+    pool = SymmetricPool()
+    s = pool.ensure_scratch(1000, None)
+    assert s.numel == 1024 and s.tensor is None and pool.ensure_scratch(1024, None) is s
+    with pytest.raises(RuntimeError, match="growth must be rejected before reserving"):
+        pool.ensure_scratch(2000, None)
+    w = pool.reserve("moe.workspace", 4096, "uint8", None)
+    g = pool.reserve("moe.signals", 64, "int64", None)
+    assert pool.plan() == [
+        ("flsce.scratch", 1024, "float32"),
+        ("moe.workspace", 4096, "uint8"),
+        ("moe.signals", 64, "int64"),
+    ]
+    assert pool.nbytes == 1024 * 4 + 4096 + 64 * 8
+    pool.release(w, None)
+    pool.release(w, None)  # idempotent
+    assert [r.label for r in pool.reservations] == ["flsce.scratch", "moe.signals"] and not w.alive
+    pool.release_all(None)
+    assert pool.plan() == [] and pool.scratch is None and not s.alive and not g.alive
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        pool.reserve("x", 4, "float16", None)
+    with pytest.raises(ValueError, match="numel must be >= 1"):
+        pool.reserve("x", 0, "uint8", None)
+
+
+class _Recorder:
+    """Stands in for NvshmemOwner and records the collective calls one rank makes."""
+
+    def __init__(self, rank: int, n: int) -> None:
+        self.my_pe, self.n_pes, self.alive, self.applied_env = rank, n, True, {}
+        self.calls: list[tuple] = []
+        self._next = 100
+
+    def split_strided(self, start: int, stride: int, size: int) -> int | None:
+        self.calls.append(("split", start, stride, size))
+        self._next += 1
+        return self._next if self.my_pe in range(start, start + stride * size, stride) else None
+
+    def destroy_team(self, handle: int) -> None:
+        self.calls.append(("destroy_team",))
+
+    def alloc(self, numel: int, dtype: Any) -> Any:
+        import torch
+
+        self.calls.append(("alloc", numel, str(dtype)))
+        return torch.zeros(numel, dtype=dtype)
+
+    def free(self, t: Any) -> None:
+        self.calls.append(("free", t.numel(), str(t.dtype)))
+
+    def peer(self, t: Any, pe: int) -> Any:
+        return t
+
+    def finalize(self) -> None:
+        self.calls.append(("finalize",))
+        self.alive = False
+
+
+def _order(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_runtime import nvshmem as nv
+    from lck_runtime.state import STATE
+
+    rec = _Recorder(rank, world)
+    nv.native_support = lambda device: (True, "")
+    nv.foreign_init_status = lambda: 0
+    nv.NvshmemOwner.make_uid = staticmethod(lambda: b"uid")
+    nv.NvshmemOwner.init = classmethod(lambda cls, uid, **kw: rec)
+    nv.owner = lambda: rec if rec.alive else None
+
+    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    ep = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    F, M = L.FusedLinearCrossEntropyConfig, L.MoEConfig
+    out: dict[str, Any] = {}
+    out["native"] = L.configure(
+        process_groups={"tp": tp, "ep": ep, "solo": solo},
+        flsce=F(16, 8, 8, group="tp"),
+        moe=M(8, 16, 4, 2, max_inflight=2, group="ep"),
+    )
+    out["is_native"] = L.is_native()
+    L.configure(flsce=F(8, 8, 8, group="ep"), moe=M(8, 16, 4, 2, group="solo"))
+    L.configure(flsce=F(16, 8, 8, group="tp"))  # a repeat: no split, no allocation
+    m = L.moe_context("ep")
+    out["ctx"] = (m.native, m.team is not None, m.workspace.numel(), m.peer_signals(1).numel())
+    out["handles"] = sorted((key, t.handle is not None) for key, t in STATE.teams.by_partition.items())
+    L.destroy_team("ep")
+    L.configure(moe=M(8, 16, 4, 2, group="ep"))
+    L.clear_pool()
+    L.configure(flsce=F(32, 8, 8, group="solo"))
+    L.finalize()
+    out["calls"] = rec.calls
+    return out
+
+
+def test_every_rank_issues_the_same_collective_sequence() -> None:
+    outs = run_workers(_order, 4, timeout=300)
+    calls = outs[0]["calls"]
+    for rank, o in enumerate(outs):
+        assert o["native"] is True and o["is_native"] is True
+        assert o["ctx"] == (True, True, 2 * 8 * 64, 2 * 32)
+        assert o["handles"] == [((1, 1), True), ((2, 1), True), ((2, 2), True)]
+        assert o["calls"] == calls, f"rank {rank} issued a different NVSHMEM collective sequence"
+    tp_splits = [("split", 0, 1, 2), ("split", 2, 1, 2)]
+    ep_splits = [("split", 0, 2, 2), ("split", 1, 2, 2)]
+    solo_splits = [("split", r, 1, 1) for r in range(4)]
+    scratch = ("alloc", 128, "torch.float32")
+    ep_ws, ep_sig = ("alloc", 2 * 8 * 64, "torch.uint8"), ("alloc", 64, "torch.int64")
+    solo_ws, solo_sig = ("alloc", 8 * 64, "torch.uint8"), ("alloc", 32, "torch.int64")
+    expected = [
+        *tp_splits, scratch, *ep_splits, ep_ws, ep_sig,  # first configure: flsce(tp), moe(ep)
+        *solo_splits, solo_ws, solo_sig,  # second: flsce(ep) reuses team and scratch; moe(solo)
+        ("free", 2 * 8 * 64, "torch.uint8"), ("free", 64, "torch.int64"), ("destroy_team",),  # destroy ep
+        *ep_splits, ep_ws, ep_sig,  # moe(ep) again
+        ("free", 64, "torch.int64"), ("free", 2 * 8 * 64, "torch.uint8"),  # clear_pool, newest first
+        ("free", 32, "torch.int64"), ("free", 8 * 64, "torch.uint8"), ("free", 128, "torch.float32"),
+        ("alloc", 256, "torch.float32"),  # a larger scratch after the clear
+        ("free", 256, "torch.float32"), ("destroy_team",), ("destroy_team",), ("destroy_team",), ("finalize",),
+    ]  # fmt: skip
+    assert calls == expected
