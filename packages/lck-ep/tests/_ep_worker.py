@@ -55,6 +55,7 @@ MISUSE = [
     "combine_rows_on_rank0",
     "buffer_hidden_on_rank1",
     "foreign_handle",
+    "experts_not_multiple",
 ]
 
 
@@ -421,6 +422,7 @@ def _misuse(
         "buffer_hidden_on_rank1",
         lambda: buf_cls(group, T_MAX, h_size + 2 * (rank == min(1, last)), k, e, layout=layout),
     )
+    attempt("experts_not_multiple", lambda: buf_cls(group, T_MAX, h_size, k, 2 * world + 1, layout=layout))
     other = buf_cls(group, T_MAX, h_size, k, e, layout=layout)
     attempt("foreign_handle", lambda: other.combine(d.recv_x, d.handle))
     # The group is still in lock step: a normal round trip works.

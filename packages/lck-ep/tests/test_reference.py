@@ -52,6 +52,10 @@ EXPECTED_MISUSE = {
     "combine_rows_on_rank0": ("ValueError", ["rank 0: combine: x must have one row per received rows"]),
     "buffer_hidden_on_rank1": ("ValueError", ["Buffer.__init__: ranks disagree on hidden", "rank 1: 26"]),
     "foreign_handle": ("ValueError", ["handle comes from another Buffer"]),
+    "experts_not_multiple": (
+        "ValueError",
+        ["rank 0: Buffer: num_experts ({odd}) must be a multiple of the group size ({size})"],
+    ),
 }
 
 
@@ -72,7 +76,7 @@ def _assert_misuse(run: str, size: int, check: str) -> None:
         msg = messages[0]
         assert msg is not None and msg.startswith(f"{kind}: "), f"seed {SEED}: {check}: {msg}"
         for frag in fragments:
-            frag = frag.format(last=size - 1, e=2 * size)
+            frag = frag.format(last=size - 1, e=2 * size, odd=2 * size + 1, size=size)
             assert frag in msg, f"seed {SEED}: {check}: {frag!r} not in {msg!r}"
     assert all(r["misuse"].get("after_misuse_round_trip") == "ok" for r in recs), [r["misuse"] for r in recs]
 

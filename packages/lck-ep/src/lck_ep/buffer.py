@@ -255,9 +255,19 @@ class Buffer:
             use_kernel = available
         if use_kernel:
             from lck_ep.jit import check_layout_problem
+            from lck_ep.knobs import KnobError
 
-            # Bad EP_* knob values are refused here, before any rank compiles anything.
-            check_layout_problem(num_experts=num_experts, num_ranks=self.num_ranks, num_topk=num_topk)
+            # Bad EP_* knob values are refused here, before any rank compiles anything. A problem
+            # too large for the kernel's shared-memory counters is an error only when the kernel was
+            # asked for; "auto" then uses the torch layout.
+            try:
+                check_layout_problem(num_experts=num_experts, num_ranks=self.num_ranks, num_topk=num_topk)
+            except KnobError:
+                raise
+            except ValueError:
+                if layout == "kernel":
+                    raise
+                use_kernel = False
         self.use_kernel_layout = use_kernel
         ctx = _moe_context(self.group)
         self.moe_context = ctx
