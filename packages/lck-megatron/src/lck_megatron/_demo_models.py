@@ -1,0 +1,279 @@
+"""The models, data and optimizer behind ``lck demo``.
+
+Two model families, each built twice from the same initial weights:
+- a plain-PyTorch GPT whose norms, SwiGLU MLPs and loss are either torch's or lck's modules (used on the
+  CPU, and on a GPU without megatron-core);
+- a Megatron-Core ``GPTModel`` with the local layer spec, built stock or after
+  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True)``.
+The data is a fixed random Markov chain over the vocabulary: every token has a few likely successors, so a
+small model learns it quickly and the loss falls well below ``ln(vocab)`` within the demo's steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    batch: int
+    vocab: int
+    dtype: torch.dtype
+    lr: float
+
+
+def markov_batches(steps: int, shape: ModelShape, seed: int) -> torch.Tensor:
+    """``[steps, batch, seq + 1]`` int64 tokens from a seeded Markov chain (4 successors per token).
+
+    The successor probabilities (0.55, 0.25, 0.12, 0.08) put the chain's entropy at about 1.15 nats,
+    the floor a perfect model reaches; a model that learned nothing stays at ``ln(vocab)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, shape.vocab, (shape.vocab, 4), generator=g)
+    weights = torch.tensor([0.55, 0.25, 0.12, 0.08])
+    n = steps * shape.batch
+    tokens = torch.empty(n, shape.seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, shape.vocab, (n,), generator=g)
+    for t in range(1, shape.seq + 1):
+        pick = torch.multinomial(weights, n, replacement=True, generator=g)
+        tokens[:, t] = successors[tokens[:, t - 1], pick]
+    return tokens.view(steps, shape.batch, shape.seq + 1)
+
+
+CHAIN_ENTROPY = -sum(p * math.log(p) for p in (0.55, 0.25, 0.12, 0.08))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-PyTorch GPT
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _TorchSwiGLUMLP(nn.Module):
+    """The torch twin of ``lck_kernels.LckSwiGLUMLP``: same parameter names, eager silu(gate) * up."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, shape: ModelShape, use_lck: bool):
+        super().__init__()
+        h = shape.hidden
+        self.heads = shape.heads
+        self.attn_norm = _norm(h, use_lck)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.proj = nn.Linear(h, h, bias=False)
+        self.mlp_norm = _norm(h, use_lck)
+        if use_lck:
+            from lck_kernels import LckSwiGLUMLP
+
+            self.mlp = LckSwiGLUMLP(h, shape.ffn, bias=False)
+        else:
+            self.mlp = _TorchSwiGLUMLP(h, shape.ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _norm(hidden: int, use_lck: bool) -> nn.Module:
+    if use_lck:
+        from lck_kernels import LckRMSNorm
+
+        return LckRMSNorm(hidden, eps=1e-5)  # "llama" casting: torch.nn.RMSNorm's numerics
+    return nn.RMSNorm(hidden, eps=1e-5)
+
+
+class TinyGPT(nn.Module):
+    """Pre-norm GPT: token + learned position embeddings, RMSNorm, SDPA attention, SwiGLU MLP, untied head.
+
+    ``use_lck`` swaps RMSNorm, the SwiGLU MLP and the loss for lck's; parameter names are identical, so
+    one model's ``state_dict`` loads into the other.
+    """
+
+    def __init__(self, shape: ModelShape, use_lck: bool):
+        super().__init__()
+        self.shape, self.use_lck = shape, use_lck
+        self.tok = nn.Embedding(shape.vocab, shape.hidden)
+        self.pos = nn.Embedding(shape.seq, shape.hidden)
+        self.blocks = nn.ModuleList(_Block(shape, use_lck) for _ in range(shape.layers))
+        self.final_norm = _norm(shape.hidden, use_lck)
+        self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(
+                    p, std=0.02 / (math.sqrt(2 * shape.layers) if name.endswith(("proj.weight",)) else 1)
+                )
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of ``tokens`` ``[b, s]`` against ``labels`` ``[b, s]`` (float32 scalar)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.final_norm(x)).reshape(-1, self.shape.vocab)
+        if self.use_lck:
+            from lck_kernels import cross_entropy
+
+            return cross_entropy(logits, labels.reshape(-1)).float()
+        return F.cross_entropy(logits.float(), labels.reshape(-1))
+
+
+def torch_step_fn(
+    model: TinyGPT, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    autocast = device.type == "cuda" and model.shape.dtype == torch.bfloat16
+
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return model(tokens, labels)
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron-Core GPTModel
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def megatron_parallel(seed: int) -> Iterator[None]:
+    """torch.distributed (one rank, NCCL) and Megatron's parallel state at TP=PP=1, torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    created = not dist.is_initialized()
+    path = None
+    if created:
+        fd, path = tempfile.mkstemp(prefix="lck-demo-pg-")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    owned = not parallel_state.model_parallel_is_initialized()
+    if owned:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        if owned:
+            parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
+    """A Megatron ``GPTModel`` (local spec, RMSNorm, SwiGLU through ``bias_swiglu_impl``) on the GPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,  # routes the activation through bias_swiglu_impl
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=shape.dtype == torch.bfloat16,
+        params_dtype=shape.dtype,
+        masked_softmax_fusion=False,  # the fused kernels need Apex / TE
+        cross_entropy_loss_fusion=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.seq,
+        position_embedding_type="learned_absolute",
+    )
+    return model.cuda()
+
+
+def megatron_step_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return model(tokens, pos, None, labels=labels).float().mean()  # per-token loss [b, s]
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MasterWeightAdamW:
+    """AdamW over float32 master copies of (possibly bfloat16) parameters, as mixed-precision training does.
+
+    Low-precision parameters cannot absorb small updates (a bf16 weight of 0.02 moves in steps of ~1e-4),
+    so the optimizer keeps float32 masters and copies them back after each step. Float32 parameters are
+    updated directly.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.base_lr = lr
+
+    def step(self, step: int, total: int) -> None:
+        warm = max(1, total // 20)
+        scale = (
+            (step + 1) / warm
+            if step < warm
+            else 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+        )
+        for group in self.opt.param_groups:
+            group["lr"] = self.base_lr * max(scale, 0.1)
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.data.copy_(m)
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    @staticmethod
+    def state_of(model: nn.Module) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
