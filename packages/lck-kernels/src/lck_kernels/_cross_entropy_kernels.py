@@ -225,7 +225,7 @@ def _ce_reduction_kernel(
 @triton.jit
 def _ce_coefficients(valid, in_range, w_t, lse, cw, cz, gl, n_cols, wsum, eps, z_scale, HAS_Z: tl.constexpr):
     """(A, B, C) of the module docstring; NaN for a target outside [0, n_cols) that is not ignored."""
-    coef_t = cw * (1.0 - eps) * w_t
+    coef_t = tl.where(valid, cw * (1.0 - eps) * w_t, 0.0)  # cw is inf when every target is ignored
     coef_w = tl.where(valid, cw * eps / n_cols, 0.0)
     coef_p = coef_t + coef_w * wsum + gl
     if HAS_Z:
