@@ -44,6 +44,8 @@ _owner: NvshmemOwner | None = None
 # NVSHMEM's init status right after lck's own finalize: a later configure may re-initialise from it,
 # while any other non-zero status means someone else initialised NVSHMEM.
 _status_after_finalize: int | None = None
+# nvshmem4py keeps a process-wide registry of team names: never reuse one, even across re-inits.
+_team_serial = 0
 
 
 def _core() -> Any:
@@ -129,7 +131,6 @@ class NvshmemOwner:
         self.device_index = device_index
         self.applied_env = applied_env
         self.alive = True
-        self._team_serial = 0
 
     # -- bring-up -------------------------------------------------------------------------------------
     @staticmethod
@@ -172,9 +173,10 @@ class NvshmemOwner:
     # -- teams ----------------------------------------------------------------------------------------
     def split_strided(self, start: int, stride: int, size: int) -> int | None:
         """Collective over all PEs: the team of PEs ``start + stride*i``; ``None`` on non-members."""
+        global _team_serial
         core = _core()
-        self._team_serial += 1
-        name = f"lck_{self._team_serial}_{start}_{stride}_{size}"
+        _team_serial += 1
+        name = f"lck_{_team_serial}_{start}_{stride}_{size}"
         team = core.team_split_strided(
             core.Teams.TEAM_WORLD, start, stride, size, core.TeamConfig(), 0, new_team_name=name
         )
