@@ -8,7 +8,8 @@ dispatch counts, a flag for out-of-range expert indices), so the agreement costs
 on the dispatch path. After the gather every rank holds the same matrix and derives the same verdict:
 
 - some rank failed locally: the failing ranks' messages are shared (``all_gather_object``, only on this
-  error path) and every rank raises the lowest failing rank's exception type with the same text;
+  error path) and every rank raises the same text with the lowest failing rank's kind of exception
+  (``TypeError``, ``ValueError``, else ``RuntimeError`` naming the original type);
 - the digests differ: every rank raises ``ValueError`` naming the first differing field and each
   rank's value.
 
@@ -104,13 +105,23 @@ def agree(
     table = torch.stack(parts).cpu()
     failed = [r for r in range(world) if int(table[r, 0]) != 0]
     if failed:
-        local = (type(local_error).__name__, str(local_error)) if local_error is not None else None
+        local = None
+        if local_error is not None:
+            kind = "TypeError" if isinstance(local_error, TypeError) else "ValueError"
+            if not isinstance(local_error, (TypeError, ValueError)):
+                kind = "RuntimeError"
+            local = (
+                kind,
+                f"{local_error}"
+                if kind != "RuntimeError"
+                else f"{type(local_error).__name__}: {local_error}",
+            )
         messages: list[tuple[str, str] | None] = [None] * world
         dist.all_gather_object(messages, local, group=group)
         first = failed[0]
         kind, text = messages[first] or ("ValueError", "invalid arguments")
         also = f" (ranks {failed} failed their checks)" if len(failed) > 1 else ""
-        exc_type = TypeError if kind == "TypeError" else ValueError
+        exc_type = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         # The local message already names the operation; prefix the rank so every rank reads the same.
         raise exc_type(f"rank {first}: {text}{also}")
     digests = table[:, 1 : 1 + n]

@@ -404,15 +404,19 @@ class Buffer:
         extra = None
         if plan is not None and plan.handle is None:
             assert plan.topk_idx is not None
-            layout = self._layout(plan.topk_idx)
-            bad = ((plan.topk_idx < -1) | (plan.topk_idx >= e)).any().to(torch.int64).reshape(1)
-            extra = torch.cat(
-                [
-                    bad,
-                    layout.num_tokens_per_rank.to(torch.int64),
-                    layout.num_tokens_per_expert.to(torch.int64),
-                ]
-            )
+            try:
+                layout = self._layout(plan.topk_idx)
+            except Exception as exc:  # e.g. the layout kernel failed to build on this rank: tell every rank
+                error, plan = exc, None
+            else:
+                bad = ((plan.topk_idx < -1) | (plan.topk_idx >= e)).any().to(torch.int64).reshape(1)
+                extra = torch.cat(
+                    [
+                        bad,
+                        layout.num_tokens_per_rank.to(torch.int64),
+                        layout.num_tokens_per_expert.to(torch.int64),
+                    ]
+                )
         digest = plan.digest() if plan is not None else None
         table = agree(self.group, self.device, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
         assert plan is not None
