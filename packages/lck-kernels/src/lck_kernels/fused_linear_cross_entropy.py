@@ -72,11 +72,10 @@ def check_linear_inputs(
     check_same_device(op, x=x, weight=weight, target=target)
     if bias is not None:
         check_tensor(op, "bias", bias, ndim=1)
-        if bias.dtype != x.dtype or bias.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"{op}: bias has shape {tuple(bias.shape)} and dtype {dtype_name(bias.dtype)}; expected "
-                f"({weight.shape[0]},) and {dtype_name(x.dtype)}"
-            )
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{op}: bias has dtype {dtype_name(bias.dtype)} but x has {dtype_name(x.dtype)}")
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
         check_same_device(op, x=x, bias=bias)
     check_class_weight(op, "class_weight", class_weight, weight.shape[0], x)
 
