@@ -304,7 +304,7 @@ def _vp_cross_entropy_fwd(
     K.shard_stats(
         z, t, stats, vocab_start=tp.rank * local_vocab, scale=1.0, ignore_index=ignore_index, slot=tp.rank
     )
-    tp.all_reduce_(stats.view(tokens, -1), "sum")
+    tp.all_reduce_(stats.view(-1), "sum")
     loss, lse, _ = K.combine(
         stats, t, ignore_index=ignore_index, label_smoothing=label_smoothing, vocab_size=vocab
     )

@@ -1,0 +1,463 @@
+"""vocab_parallel_cross_entropy against F.cross_entropy on the gathered logits (float64), over real process groups.
+
+CPU variant: 2 and 4 gloo processes with Triton in its interpreter (``TRITON_INTERPRET=1``), small shapes.
+Each spawned world runs many cases inside one worker (spawning costs far more than a case) and reports
+per-section results, so one failing section names itself without hiding the others.
+GPU variant (``multigpu(2)``): 2 NCCL processes, the runtime configured (NVSHMEM), real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tolerances import assert_close
+
+from lck_runtime.testing import run_workers
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_variant = pytest.mark.skipif(
+    not INTERPRET, reason="the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1"
+)
+CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
+GPU_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "LCK_TEST_PG_TIMEOUT": "300",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One case: shard the same float64 logits on every rank, compare loss and this rank's gradient slice
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _targets(kind: str, shape: tuple[int, ...], vocab: int, tp: int, ignore_index: int, gen) -> torch.Tensor:
+    lo, hi = 0, vocab
+    if kind == "last_shard":  # uneven: every target in the last rank's shard
+        lo = vocab - vocab // tp
+    elif kind == "first_shard":
+        hi = vocab // tp
+    t = torch.randint(lo, hi, shape, generator=gen, device=gen.device)
+    if kind == "some_ignored":
+        t.view(-1)[::3] = ignore_index
+    elif kind == "all_ignored":
+        t.fill_(ignore_index)
+    return t
+
+
+def _case(
+    group,
+    *,
+    lead: tuple[int, ...],
+    vocab: int,
+    dtype=torch.float32,
+    reduction: str = "none",
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    targets: str = "random",
+    seed: int = 0,
+    device: str = "cpu",
+    scale: float = 4.0,
+) -> None:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_cross_entropy
+
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    # Generated on the test device (the same stream of numbers on every rank): fast at real sizes.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    full = torch.randn(*lead, vocab, generator=gen, dtype=torch.float64, device=device)
+    full = (full * scale).to(dtype).double()  # the inputs the op sees, exactly, in float64
+    target = _targets(targets, lead, vocab, tp, ignore_index, gen)
+    grad = torch.randn(lead, generator=gen, dtype=torch.float64, device=device)
+    if reduction != "none":
+        grad = torch.tensor(0.7, dtype=torch.float64, device=device)
+    vs = vocab // tp
+    shard = full[..., rank * vs : (rank + 1) * vs].to(dtype).requires_grad_(True)
+    out = vocab_parallel_cross_entropy(
+        shard,
+        target,
+        group,
+        label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    out.backward(grad.to(out.dtype))
+
+    ref_in = full.requires_grad_(True)
+    ref = F.cross_entropy(
+        ref_in.reshape(-1, vocab),
+        target.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    )
+    ref = ref.view(lead) if reduction == "none" else ref
+    ref.backward(grad)
+    what = (
+        f"rank {rank}/{tp} lead={lead} V={vocab} {dtype} {reduction} eps={label_smoothing} targets={targets}"
+    )
+    assert out.dtype == dtype and out.shape == ref.shape, f"{what}: got {out.dtype} {tuple(out.shape)}"
+    if ref.numel() == 0:  # no tokens: empty loss, empty gradient (assert_close needs elements)
+        assert shard.grad.shape == shard.shape and shard.grad.numel() == 0, f"{what}: {shard.grad.shape}"
+        return
+    if targets == "all_ignored" and reduction == "mean":
+        assert torch.isnan(out) and torch.isnan(ref), f"{what}: mean over no targets must be NaN, got {out}"
+        assert torch.equal(shard.grad, torch.zeros_like(shard.grad)), f"{what}: gradient must be 0"
+        return
+    assert_close(out, ref, dtype, name=f"loss ({what})")
+    assert_close(shard.grad, ref_in.grad[..., rank * vs : (rank + 1) * vs], dtype, name=f"grad ({what})")
+    if targets == "all_ignored":
+        assert torch.count_nonzero(out) == 0 and torch.count_nonzero(shard.grad) == 0, f"{what}: must be 0"
+
+
+def _same_targets(vocab: int, n: int) -> torch.Tensor:
+    """Targets that every rank draws identically (they must agree across the group)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def _expect_error(exc_type: type[BaseException], fn: Callable[[], object], *mentions: str) -> str:
+    try:
+        fn()
+    except exc_type as exc:
+        msg = str(exc)
+        for m in mentions:
+            assert m in msg, f"expected {m!r} in the {exc_type.__name__} message: {msg}"
+        return msg
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {mentions}, nothing was raised")
+
+
+def _sections(rank: int, sections: list[tuple[str, Callable[[], object]]]) -> dict[str, object]:
+    """Run each section, recording its result or its traceback (a failure must not hide the others)."""
+    out: dict[str, object] = {}
+    for name, fn in sections:
+        t0 = time.monotonic()
+        try:
+            out[name] = ("ok", fn())
+        except Exception:
+            out[name] = ("fail", f"rank {rank}: {traceback.format_exc()}")
+        if os.environ.get("LCK_TEST_TIMES"):
+            print(f"rank {rank} section {name}: {time.monotonic() - t0:.1f} s", flush=True)
+    return out
+
+
+def _section(results: list[dict[str, object]], name: str) -> list[object]:
+    fails = [r[name][1] for r in results if r[name][0] == "fail"]
+    assert not fails, "\n".join(fails)
+    return [r[name][1] for r in results]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: 2 processes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _reference_cases(group) -> None:
+    for i, kw in enumerate(
+        [
+            dict(lead=(16,), vocab=64),
+            dict(lead=(16,), vocab=64, reduction="sum", targets="last_shard"),
+            dict(lead=(13,), vocab=96, reduction="mean", targets="some_ignored", label_smoothing=0.1),
+            dict(lead=(2, 8), vocab=64, targets="first_shard", label_smoothing=0.25),
+            dict(lead=(16,), vocab=64, targets="some_ignored", ignore_index=5),  # an ignore_index inside V
+            dict(lead=(1,), vocab=256, scale=20.0),  # one row, peaked softmax
+            dict(lead=(16,), vocab=128, dtype=torch.bfloat16, reduction="mean"),
+            dict(lead=(16,), vocab=64, dtype=torch.float16, targets="some_ignored"),
+        ]
+    ):
+        _case(group, seed=i, **kw)
+
+
+def _ignored_cases(group) -> None:
+    for i, reduction in enumerate(("none", "sum", "mean")):
+        _case(group, lead=(8,), vocab=64, reduction=reduction, targets="all_ignored", seed=10 + i)
+    _case(group, lead=(0,), vocab=64, seed=20)  # no tokens at all
+
+
+def _error_cases(group) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_cross_entropy as ce
+
+    rank = dist.get_rank(group)
+    logits = torch.randn(8, 32)
+    target = _same_targets(64, 8)
+    msgs = {}
+    # Shard sizes differ between ranks: the same ValueError everywhere, naming the shard size.
+    uneven = torch.randn(8, 32 + 8 * rank)
+    msgs["shard"] = _expect_error(
+        ValueError, lambda: ce(uneven, target, group), "local vocabulary size", "rank 1: 40"
+    )
+    msgs["tokens"] = _expect_error(
+        ValueError,
+        lambda: ce(torch.randn(8 + rank, 32), torch.zeros(8 + rank, dtype=torch.long), group),
+        "tokens",
+    )
+    msgs["smoothing"] = _expect_error(
+        ValueError, lambda: ce(logits, target, group, label_smoothing=0.1 * rank), "label_smoothing"
+    )
+    msgs["targets_differ"] = _expect_error(
+        ValueError, lambda: ce(logits, (target + rank) % 64, group), "target differs"
+    )
+    bad = target.clone()
+    bad[3] = 64  # == V: out of range
+    msgs["range"] = _expect_error(ValueError, lambda: ce(logits, bad, group), "64", "outside the vocabulary")
+    neg = target.clone()
+    neg[0] = -7
+    msgs["negative"] = _expect_error(
+        ValueError, lambda: ce(logits, neg, group), "-7", "outside the vocabulary"
+    )
+    # A local problem on one rank only: every rank raises the same TypeError, quoting that rank's message.
+    t_dtype = target.to(torch.int16) if rank == 1 else target
+    msgs["dtype"] = _expect_error(TypeError, lambda: ce(logits, t_dtype, group), "rank 1", "target", "int16")
+    wrong_shape = torch.randn(8, 32)[:, ::2] if rank == 0 else torch.randn(8, 16)
+    msgs["stride"] = _expect_error(
+        ValueError, lambda: ce(wrong_shape, target[:8] % 32, group), "rank 0", "stride"
+    )
+    msgs["target_shape"] = _expect_error(
+        ValueError, lambda: ce(logits, target[: 8 - rank], group), "target", "shape"
+    )
+    msgs["smoothing_range"] = _expect_error(
+        ValueError, lambda: ce(logits, target, group, label_smoothing=1.5), "label_smoothing", "[0, 1]"
+    )
+    # Local argument errors that need no collective.
+    _expect_error(TypeError, lambda: ce(logits, target, None), "group", "ProcessGroup")
+    _expect_error(ValueError, lambda: ce(logits, target, group, reduction="avg"), "reduction")
+    _expect_error(TypeError, lambda: ce(logits.tolist(), target, group), "logits_shard")
+    # The group still works after all of that (no rank is left behind in a collective).
+    _case(group, lead=(8,), vocab=64, seed=30)
+    return msgs
+
+
+def _configured_cases(group) -> dict[str, str]:
+    """Through the runtime's FLSCE context: same results; capacities enforced, same error everywhere."""
+    from lck_kernels import vocab_parallel_cross_entropy as ce
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    native = configure(
+        process_groups={"tp": group},
+        flsce=FusedLinearCrossEntropyConfig(max_tokens=16, hidden_size=8, local_vocab_size=48, group="tp"),
+    )
+    assert native is False, "CPU: the runtime must take its torch.distributed path"
+    assert flsce_context(group) is not None
+    msgs = {}
+    try:
+        _case(group, lead=(16,), vocab=64, targets="some_ignored", seed=40)
+        _case(group, lead=(4, 4), vocab=96, label_smoothing=0.1, seed=41)  # local vocab 48 = the capacity
+        target = _same_targets(64, 17)
+        msgs["tokens"] = _expect_error(
+            ValueError, lambda: ce(torch.randn(17, 32), target, group), "max_tokens", "17"
+        )
+        msgs["vocab"] = _expect_error(
+            ValueError, lambda: ce(torch.randn(16, 64), target[:16], group), "local_vocab_size", "64"
+        )
+        _case(group, lead=(16,), vocab=64, seed=42)  # still usable
+    finally:
+        finalize()
+    assert flsce_context(group, required=False) is None
+    return msgs
+
+
+def _compile_cases(group) -> None:
+    """torch.compile(fullgraph=True) traces the op and its autograd; opcheck; the nn.Module form."""
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_cross_entropy as ce
+    from lck_kernels.vocab_parallel_cross_entropy import LckVocabParallelCrossEntropy, _vp_cross_entropy_fwd
+
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(50)
+    full = torch.randn(12, 40 * tp, generator=gen)
+    target = torch.randint(0, 40 * tp, (12,), generator=gen)
+    target[2] = -100
+    shard = full[:, rank * 40 : (rank + 1) * 40].clone().requires_grad_(True)
+
+    def loss_fn(z, t):
+        return ce(z, t, group, reduction="mean", label_smoothing=0.05) * 2.0
+
+    eager = loss_fn(shard, target)
+    (ge,) = torch.autograd.grad(eager, shard)
+    # Under the interpreter the kernels run on CPU tensors, which inductor's codegen does not take;
+    # aot_eager still traces the whole graph (fullgraph=True: no break around the ops or their autograd).
+    # The gpu variant compiles with inductor.
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    out = compiled(shard, target)
+    (gc,) = torch.autograd.grad(out, shard)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge)
+    torch.library.opcheck(
+        _vp_cross_entropy_fwd, (shard.detach().requires_grad_(), target, group.group_name, 0.1, -100)
+    )
+    module_out = LckVocabParallelCrossEntropy(group, reduction="sum")(shard, target)
+    torch.testing.assert_close(module_out, F.cross_entropy(full, target, reduction="sum"))
+
+
+def _world2_cpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    return _sections(
+        rank,
+        [
+            ("reference", lambda: _reference_cases(g)),
+            ("ignored", lambda: _ignored_cases(g)),
+            ("errors", lambda: _error_cases(g)),
+            ("configured", lambda: _configured_cases(g)),
+            ("compile", lambda: _compile_cases(g)),
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, object]]:
+    if not INTERPRET:
+        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
+    return run_workers(_world2_cpu, 2, env=CPU_ENV, timeout=600)
+
+
+@cpu_variant
+def test_matches_gathered_reference_tp2(world2) -> None:
+    _section(world2, "reference")
+
+
+@cpu_variant
+def test_all_ignored_rows_give_zero_loss_and_grad(world2) -> None:
+    _section(world2, "ignored")
+
+
+@cpu_variant
+def test_errors_are_the_same_on_every_rank(world2) -> None:
+    per_rank = _section(world2, "errors")
+    for case in per_rank[0]:
+        assert per_rank[0][case] == per_rank[1][case], f"{case}: ranks raised different messages: {per_rank}"
+
+
+@cpu_variant
+def test_configured_group_enforces_capacities(world2) -> None:
+    per_rank = _section(world2, "configured")
+    for case in per_rank[0]:
+        assert per_rank[0][case] == per_rank[1][case], f"{case}: ranks raised different messages: {per_rank}"
+
+
+@cpu_variant
+def test_compile_fullgraph_opcheck_and_module(world2) -> None:
+    _section(world2, "compile")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: 4 processes, a TP=4 group and two TP=2 groups side by side, one of each configured
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _world4_cpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    tp4 = dist.group.WORLD
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp2 = pairs[rank // 2]
+
+    def unconfigured() -> None:
+        _case(tp4, lead=(12,), vocab=64, targets="last_shard", seed=1)
+        _case(tp2, lead=(12,), vocab=64, targets="some_ignored", seed=2 + rank // 2)  # pairs differ
+        _case(tp4, lead=(12,), vocab=128, reduction="mean", label_smoothing=0.1, seed=4)
+
+    def configured() -> dict[str, str]:
+        from lck_kernels import vocab_parallel_cross_entropy as ce
+
+        # The runtime reserves process-wide maxima on the first call: the larger section goes first.
+        configure(
+            process_groups={"tp2": tp2, "tp4": tp4},
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=24, hidden_size=8, local_vocab_size=32, group="tp4"
+            ),
+        )
+        configure(
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=16, hidden_size=8, local_vocab_size=32, group="tp2"
+            )
+        )
+        msgs = {}
+        try:
+            assert flsce_context(tp2).size == 2 and flsce_context(tp4).size == 4
+            _case(tp2, lead=(16,), vocab=64, targets="first_shard", seed=5)
+            _case(tp4, lead=(24,), vocab=128, targets="some_ignored", seed=6)
+            # 20 tokens: within the TP=4 context's capacity, beyond the TP=2 one's.
+            _case(tp4, lead=(20,), vocab=128, seed=7)
+            target = _same_targets(64, 20)
+            msgs["tp2_tokens"] = _expect_error(
+                ValueError, lambda: ce(torch.randn(20, 32), target, tp2), "max_tokens"
+            )
+            _case(tp2, lead=(8,), vocab=64, seed=8)
+        finally:
+            finalize()
+        return msgs
+
+    return _sections(rank, [("unconfigured", unconfigured), ("configured", configured)])
+
+
+@cpu_variant
+def test_tp4_and_tp2_groups_side_by_side() -> None:
+    results = run_workers(_world4_cpu, 4, env=CPU_ENV, timeout=600)
+    _section(results, "unconfigured")
+    msgs = _section(results, "configured")
+    assert msgs[0]["tp2_tokens"] == msgs[1]["tp2_tokens"], msgs
+    assert msgs[2]["tp2_tokens"] == msgs[3]["tp2_tokens"], msgs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: 2 NCCL processes, runtime configured (NVSHMEM on H200), real sizes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _world2_gpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    g = dist.group.WORLD
+    dev = f"cuda:{torch.cuda.current_device()}"
+
+    def cases() -> None:
+        _case(g, lead=(8192,), vocab=128256, dtype=torch.bfloat16, targets="some_ignored", device=dev, seed=1)
+        _case(g, lead=(2, 2048), vocab=151936, dtype=torch.bfloat16, reduction="mean", device=dev, seed=2)
+        _case(g, lead=(4096,), vocab=64000, dtype=torch.float32, label_smoothing=0.1, device=dev, seed=3)
+        _case(g, lead=(1,), vocab=128256, dtype=torch.float16, targets="last_shard", device=dev, seed=4)
+
+    def configured() -> bool:
+        native = configure(
+            process_groups={"tp": g},
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=8192, hidden_size=4096, local_vocab_size=75968, group="tp"
+            ),
+        )
+        try:
+            assert flsce_context(g).native == native
+            cases()
+            target = torch.zeros(8193, dtype=torch.long, device=dev)
+            from lck_kernels import vocab_parallel_cross_entropy as ce
+
+            _expect_error(ValueError, lambda: ce(torch.randn(8193, 64, device=dev), target, g), "max_tokens")
+        finally:
+            finalize()
+        return native
+
+    return _sections(rank, [("unconfigured", cases), ("configured", configured)])
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
+    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=900)
+    _section(results, "unconfigured")
+    natives = _section(results, "configured")
+    assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"

@@ -1,0 +1,615 @@
+"""vocab_parallel_fused_linear_scaled_cross_entropy against a float64 reference on the unsharded weight.
+
+The reference: ``z = inverse_temperature · x @ Wᵀ`` over the whole vocabulary in float64, per-token NLL,
+log-sum-exp and entropy (0 on ignored tokens), and their gradients for random per-token upstream gradients.
+CPU variant: 2 and 4 gloo processes, Triton in its interpreter, small shapes, several chunks per call.
+GPU variant (``multigpu(2)``): 2 NCCL processes, the runtime configured (NVSHMEM on H200), real sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+from _tolerances import assert_close
+
+from lck_runtime.testing import run_workers
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_variant = pytest.mark.skipif(
+    not INTERPRET, reason="the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1"
+)
+CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
+GPU_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "LCK_TEST_PG_TIMEOUT": "300",
+}
+OUTPUTS = ("nll", "lse", "entropy")
+
+
+def _reference(x, w, target, tau, ignore_index, reduction):
+    """float64 (nll, lse, entropy) on the whole vocabulary; ignored tokens give 0."""
+    z = (x @ w.t()) * tau
+    valid = target != ignore_index
+    logp = z.log_softmax(-1)
+    picked = logp.gather(-1, target.clamp(0, w.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
+    nll = torch.where(valid, -picked, 0.0)
+    lse = torch.where(valid, z.logsumexp(-1), 0.0)
+    entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    if reduction == "sum":
+        nll = nll.sum()
+    elif reduction == "mean":
+        nll = nll.sum() / valid.sum()
+    return nll, lse, entropy
+
+
+def _case(
+    group,
+    *,
+    lead: tuple[int, ...],
+    hidden: int,
+    vocab: int,
+    dtype=torch.float32,
+    tau: float = 1.0,
+    ignore_index: int = -100,
+    targets: str = "random",
+    reduction: str = "none",
+    grads: tuple[str, ...] = OUTPUTS,
+    x_grad: bool = True,
+    w_grad: bool = True,
+    chunk_bytes: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> None:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    vs = vocab // tp
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = (
+        (torch.randn(*lead, hidden, generator=gen, dtype=torch.float64, device=device) * 1.5)
+        .to(dtype)
+        .double()
+    )
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64, device=device) / math.sqrt(hidden)
+    w = w.to(dtype).double()
+    lo, hi = (vocab - vs, vocab) if targets == "last_shard" else (0, vocab)
+    target = torch.randint(lo, hi, lead, generator=gen, device=device)
+    if targets == "some_ignored":
+        target.view(-1)[::4] = ignore_index
+    elif targets == "all_ignored":
+        target.fill_(ignore_index)
+    ups = {
+        "nll": torch.randn(lead, generator=gen, dtype=torch.float64, device=device)
+        if reduction == "none"
+        else torch.tensor(0.7, dtype=torch.float64, device=device),
+        "lse": 0.3 * torch.randn(lead, generator=gen, dtype=torch.float64, device=device),
+        "entropy": 0.5 * torch.randn(lead, generator=gen, dtype=torch.float64, device=device),
+    }
+
+    xs = x.to(dtype).requires_grad_(x_grad)
+    ws = w[rank * vs : (rank + 1) * vs].to(dtype).requires_grad_(w_grad)
+    outs = flsce(
+        xs,
+        ws,
+        target,
+        group,
+        inverse_temperature=tau,
+        ignore_index=ignore_index,
+        return_entropy=True,
+        reduction=reduction,
+        chunk_bytes=chunk_bytes,
+    )
+    assert isinstance(outs, tuple) and len(outs) == 3, (
+        f"return_entropy=True must give 3 outputs, got {len(outs)}"
+    )
+    picked = [i for i, n in enumerate(OUTPUTS) if n in grads]
+    torch.autograd.backward([outs[i] for i in picked], [ups[OUTPUTS[i]].float() for i in picked])
+
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    refs = _reference(xr, wr, target, tau, ignore_index, reduction)
+    torch.autograd.backward([refs[i] for i in picked], [ups[OUTPUTS[i]] for i in picked])
+    what = f"rank {rank}/{tp} lead={lead} H={hidden} V={vocab} {dtype} tau={tau} {reduction} grads={grads} {targets}"
+    for name, out, ref in zip(OUTPUTS, outs, refs):
+        assert out.dtype == torch.float32 and out.shape == ref.shape, (
+            f"{name} ({what}): {out.dtype} {out.shape}"
+        )
+        if ref.numel() == 0:
+            continue
+        if targets == "all_ignored" and reduction == "mean" and name == "nll":
+            assert torch.isnan(out), f"{what}: mean over no targets must be NaN like the reference, got {out}"
+            continue
+        assert_close(out, ref, dtype, name=f"{name} ({what})")
+    if x_grad:
+        if xr.grad is None or xr.grad.numel() == 0:
+            assert xs.grad is None or xs.grad.numel() == 0 or not xs.grad.any(), f"{what}: unexpected grad_x"
+        else:
+            assert_close(xs.grad, xr.grad, dtype, name=f"grad_x ({what})")
+    else:
+        assert xs.grad is None
+    if w_grad:
+        ref_w = wr.grad[rank * vs : (rank + 1) * vs]
+        if ref_w.abs().max() == 0:  # all ignored: exactly zero, no NaN
+            assert torch.count_nonzero(ws.grad) == 0, f"{what}: grad_weight must be 0"
+        else:
+            assert_close(ws.grad, ref_w, dtype, name=f"grad_weight_shard ({what})")
+    else:
+        assert ws.grad is None
+
+
+def _same_targets(vocab: int, n: int) -> torch.Tensor:
+    """Targets that every rank draws identically (they must agree across the group)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def _expect_error(exc_type: type[BaseException], fn: Callable[[], object], *mentions: str) -> str:
+    try:
+        fn()
+    except exc_type as exc:
+        msg = str(exc)
+        for m in mentions:
+            assert m in msg, f"expected {m!r} in the {exc_type.__name__} message: {msg}"
+        return msg
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {mentions}, nothing was raised")
+
+
+def _sections(rank: int, sections: list[tuple[str, Callable[[], object]]]) -> dict[str, object]:
+    """Run each section, recording its result or its traceback (a failure must not hide the others)."""
+    out: dict[str, object] = {}
+    for name, fn in sections:
+        t0 = time.monotonic()
+        try:
+            out[name] = ("ok", fn())
+        except Exception:
+            out[name] = ("fail", f"rank {rank}: {traceback.format_exc()}")
+        if os.environ.get("LCK_TEST_TIMES"):
+            print(f"rank {rank} section {name}: {time.monotonic() - t0:.1f} s", flush=True)
+    return out
+
+
+def _section(results: list[dict[str, object]], name: str) -> list[object]:
+    fails = [r[name][1] for r in results if r[name][0] == "fail"]
+    assert not fails, "\n".join(fails)
+    return [r[name][1] for r in results]
+
+
+def _same_messages(per_rank: list[dict[str, str]]) -> None:
+    for case in per_rank[0]:
+        msgs = {m[case] for m in per_rank}
+        assert len(msgs) == 1, f"{case}: ranks raised different messages: {msgs}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: 2 processes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _reference_cases(group) -> None:
+    row = 96 // 2 * 4  # bytes of one fp32 logits row of the local shard in most cases below
+    for i, kw in enumerate(
+        [
+            dict(lead=(24,), hidden=32, vocab=96),
+            # several chunks with a tail (24 = 5 + 5 + 5 + 5 + 4), temperature, some ignored
+            dict(lead=(24,), hidden=32, vocab=96, tau=0.7, targets="some_ignored", chunk_bytes=5 * row),
+            dict(lead=(3, 7), hidden=16, vocab=96, tau=1.6, targets="last_shard", chunk_bytes=4 * row),
+            dict(lead=(16,), hidden=32, vocab=96, reduction="mean", grads=("nll",), targets="some_ignored"),
+            dict(lead=(16,), hidden=32, vocab=96, reduction="sum", grads=("nll", "entropy")),
+            dict(lead=(16,), hidden=32, vocab=96, grads=("entropy",)),  # entropy bonus only
+            dict(lead=(16,), hidden=32, vocab=96, grads=("lse",), x_grad=False),  # z-loss, frozen input
+            dict(lead=(16,), hidden=32, vocab=96, w_grad=False, ignore_index=7, targets="some_ignored"),
+            dict(lead=(1,), hidden=8, vocab=64),
+            dict(lead=(16,), hidden=32, vocab=128, dtype=torch.bfloat16, tau=0.5),
+        ]
+    ):
+        _case(group, seed=i, **kw)
+
+
+def _ignored_cases(group) -> None:
+    for i, reduction in enumerate(("none", "sum", "mean")):
+        grads = OUTPUTS if reduction == "none" else ("nll",)
+        _case(
+            group,
+            lead=(12,),
+            hidden=16,
+            vocab=64,
+            targets="all_ignored",
+            reduction=reduction,
+            grads=grads,
+            seed=20 + i,
+        )
+    _case(group, lead=(0,), hidden=16, vocab=64, seed=30)
+
+
+def _no_grad_cases(group) -> None:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+    rank = dist.get_rank(group)
+    gen = torch.Generator().manual_seed(40)
+    x, w = torch.randn(10, 16, generator=gen), torch.randn(64, 16, generator=gen) / 4
+    target = torch.randint(0, 64, (10,), generator=gen)
+    with torch.no_grad():
+        nll, lse = flsce(x, w[rank * 32 : (rank + 1) * 32], target, group)
+    ref = _reference(x.double(), w.double(), target, 1.0, -100, "none")
+    assert_close(nll, ref[0], torch.float32, name="no-grad nll")
+    assert_close(lse, ref[1], torch.float32, name="no-grad lse")
+
+
+def _error_cases(group) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+    rank = dist.get_rank(group)
+    x, w = torch.randn(8, 16), torch.randn(32, 16)
+    target = _same_targets(64, 8)
+    m = {}
+    m["shard"] = _expect_error(
+        ValueError,
+        lambda: flsce(x, torch.randn(32 + 8 * rank, 16), target, group),
+        "local vocabulary",
+        "rank 1: 40",
+    )
+    m["hidden"] = _expect_error(
+        ValueError,
+        lambda: flsce(torch.randn(8, 16 + rank), torch.randn(32, 16 + rank), target, group),
+        "hidden",
+    )
+    m["tokens"] = _expect_error(
+        ValueError, lambda: flsce(torch.randn(8 - rank, 16), w, target[: 8 - rank], group), "tokens"
+    )
+    m["temperature"] = _expect_error(
+        ValueError, lambda: flsce(x, w, target, group, inverse_temperature=1.0 + rank), "inverse_temperature"
+    )
+    x_rg = x.clone().requires_grad_(rank == 0)
+    m["requires_grad"] = _expect_error(ValueError, lambda: flsce(x_rg, w, target, group), "require gradients")
+    m["dtype"] = _expect_error(
+        ValueError,
+        lambda: flsce(
+            x.to(torch.float16 if rank else torch.float32),
+            w.to(x.dtype if rank == 0 else torch.float16),
+            target,
+            group,
+        ),
+        "dtype",
+    )
+    m["targets_differ"] = _expect_error(
+        ValueError, lambda: flsce(x, w, (target + rank) % 64, group), "target differs"
+    )
+    bad = target.clone()
+    bad[5] = 64
+    m["range"] = _expect_error(ValueError, lambda: flsce(x, w, bad, group), "64", "outside the vocabulary")
+    # Local problems on one rank: every rank raises the same error quoting it.
+    w_bad = w.to(torch.float16) if rank == 0 else w
+    m["weight_dtype"] = _expect_error(
+        TypeError, lambda: flsce(x, w_bad, target, group), "rank 0", "weight_shard", "float16"
+    )
+    m["weight_shape"] = _expect_error(
+        ValueError,
+        lambda: flsce(x, torch.randn(32, 8) if rank == 1 else w, target, group),
+        "rank 1",
+        "weight_shard",
+    )
+    m["temperature_range"] = _expect_error(
+        ValueError, lambda: flsce(x, w, target, group, inverse_temperature=-1.0), "inverse_temperature", "> 0"
+    )
+    m["x_stride"] = _expect_error(
+        ValueError, lambda: flsce(torch.randn(8, 32)[:, ::2], w, target, group), "x", "stride"
+    )
+    m["chunk"] = _expect_error(ValueError, lambda: flsce(x, w, target, group, chunk_bytes=0), "chunk_bytes")
+    _expect_error(TypeError, lambda: flsce(x, w, target, "tp"), "group", "ProcessGroup")
+    _expect_error(ValueError, lambda: flsce(x, w, target, group, reduction="avg"), "reduction")
+    _case(group, lead=(8,), hidden=16, vocab=64, seed=50)  # the group still works
+    return m
+
+
+def _configured_cases(group) -> dict[str, str]:
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    assert (
+        configure(
+            process_groups={"tp": group},
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=24, hidden_size=32, local_vocab_size=48, group="tp"
+            ),
+        )
+        is False
+    )
+    m = {}
+    try:
+        assert flsce_context(group).capacity == 24 * 32
+        _case(
+            group,
+            lead=(24,),
+            hidden=32,
+            vocab=96,
+            tau=0.8,
+            targets="some_ignored",
+            chunk_bytes=7 * 48 * 4,
+            seed=60,
+        )
+        target = _same_targets(96, 25)
+        m["tokens"] = _expect_error(
+            ValueError,
+            lambda: flsce(torch.randn(25, 32), torch.randn(48, 32), target, group),
+            "max_tokens",
+            "25",
+        )
+        m["hidden"] = _expect_error(
+            ValueError,
+            lambda: flsce(torch.randn(8, 40), torch.randn(48, 40), target[:8], group),
+            "hidden_size",
+            "40",
+        )
+        m["vocab"] = _expect_error(
+            ValueError,
+            lambda: flsce(torch.randn(8, 32), torch.randn(56, 32), target[:8], group),
+            "local_vocab_size",
+            "56",
+        )
+        _case(group, lead=(8,), hidden=32, vocab=96, seed=61)
+    finally:
+        finalize()
+    return m
+
+
+def _compile_cases(group) -> None:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+    from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import (
+        LckVocabParallelFusedLinearScaledCrossEntropy,
+        _vp_flsce_fwd,
+    )
+
+    rank = dist.get_rank(group)
+    gen = torch.Generator().manual_seed(70)
+    x = torch.randn(12, 16, generator=gen, requires_grad=True)
+    w_full = torch.randn(64, 16, generator=gen) / 4
+    w = w_full[rank * 32 : (rank + 1) * 32].clone().requires_grad_(True)
+    target = torch.randint(0, 64, (12,), generator=gen)
+    target[3] = -100
+
+    def loss_fn(x, w, t):
+        nll, lse, ent = flsce(x, w, t, group, inverse_temperature=0.9, return_entropy=True)
+        return nll.mean() + 1e-2 * (lse**2).mean() - 0.1 * ent.mean()
+
+    eager = loss_fn(x, w, target)
+    ge = torch.autograd.grad(eager, (x, w))
+    # aot_eager on CPU (inductor's CPU codegen does not take the interpreter's kernels); inductor on GPU.
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    out = compiled(x, w, target)
+    gc = torch.autograd.grad(out, (x, w))
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge)
+    torch.library.opcheck(_vp_flsce_fwd, (x, w, target, group.group_name, 0.9, -100, 1 << 20, 3))
+    mod = LckVocabParallelFusedLinearScaledCrossEntropy(group, reduction="sum")
+    nll, _ = mod(x, w, target)
+    ref = _reference(x.double(), w_full.double(), target, 1.0, -100, "sum")[0]
+    assert_close(nll, ref, torch.float32, name="module nll")
+
+
+def _world2_cpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    return _sections(
+        rank,
+        [
+            ("reference", lambda: _reference_cases(g)),
+            ("ignored", lambda: _ignored_cases(g)),
+            ("no_grad", lambda: _no_grad_cases(g)),
+            ("errors", lambda: _error_cases(g)),
+            ("configured", lambda: _configured_cases(g)),
+            ("compile", lambda: _compile_cases(g)),
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, object]]:
+    if not INTERPRET:
+        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
+    return run_workers(_world2_cpu, 2, env=CPU_ENV, timeout=600)
+
+
+@cpu_variant
+def test_matches_unsharded_reference_tp2(world2) -> None:
+    _section(world2, "reference")
+
+
+@cpu_variant
+def test_all_ignored_rows_and_empty_input(world2) -> None:
+    _section(world2, "ignored")
+
+
+@cpu_variant
+def test_forward_without_grad(world2) -> None:
+    _section(world2, "no_grad")
+
+
+@cpu_variant
+def test_errors_are_the_same_on_every_rank(world2) -> None:
+    _same_messages(_section(world2, "errors"))
+
+
+@cpu_variant
+def test_configured_group_enforces_capacities(world2) -> None:
+    _same_messages(_section(world2, "configured"))
+
+
+@cpu_variant
+def test_compile_fullgraph_opcheck_and_module(world2) -> None:
+    _section(world2, "compile")
+
+
+def test_chunk_rows() -> None:
+    from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import chunk_rows
+
+    assert chunk_rows(8192, 64128, 2, 256 << 20) == 2048  # 2093 rows fit; whole 256-row tiles
+    assert chunk_rows(100, 64128, 2, 256 << 20) == 100
+    assert chunk_rows(8192, 1 << 30, 2, 1) == 1
+    assert chunk_rows(0, 10, 4, 100) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: 4 processes, a TP=4 group and two TP=2 groups side by side, each with its own runtime context
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _world4_cpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    tp4 = dist.group.WORLD
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp2 = pairs[rank // 2]
+
+    def unconfigured() -> None:
+        _case(tp4, lead=(12,), hidden=16, vocab=128, tau=0.6, targets="last_shard", seed=1)
+        _case(tp2, lead=(12,), hidden=16, vocab=64, targets="some_ignored", seed=2 + rank // 2)
+
+    def configured() -> dict[str, str]:
+        from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+        configure(
+            process_groups={"tp2": tp2, "tp4": tp4},
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=24, hidden_size=16, local_vocab_size=32, group="tp4"
+            ),
+        )
+        configure(
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=16, hidden_size=16, local_vocab_size=32, group="tp2"
+            )
+        )
+        m = {}
+        try:
+            assert flsce_context(tp2).size == 2 and flsce_context(tp4).size == 4
+            _case(tp2, lead=(16,), hidden=16, vocab=64, chunk_bytes=6 * 32 * 4, seed=5 + rank // 2)
+            _case(
+                tp4, lead=(20,), hidden=16, vocab=128, targets="some_ignored", seed=7
+            )  # > the TP=2 capacity
+            target = _same_targets(64, 20)
+            m["tp2_tokens"] = _expect_error(
+                ValueError, lambda: flsce(torch.randn(20, 16), torch.randn(32, 16), target, tp2), "max_tokens"
+            )
+            _case(tp2, lead=(8,), hidden=16, vocab=64, seed=8)
+        finally:
+            finalize()
+        return m
+
+    return _sections(rank, [("unconfigured", unconfigured), ("configured", configured)])
+
+
+@cpu_variant
+def test_tp4_and_tp2_groups_side_by_side() -> None:
+    results = run_workers(_world4_cpu, 4, env=CPU_ENV, timeout=600)
+    _section(results, "unconfigured")
+    msgs = _section(results, "configured")
+    assert msgs[0] == msgs[1] and msgs[2] == msgs[3], msgs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: 2 NCCL processes, runtime configured (NVSHMEM on H200), real sizes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _world2_gpu(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
+
+    g = dist.group.WORLD
+    dev = f"cuda:{torch.cuda.current_device()}"
+
+    def cases() -> None:
+        big = dict(hidden=4096, vocab=128256, dtype=torch.bfloat16, device=dev)
+        _case(g, lead=(4096,), targets="some_ignored", tau=0.8, seed=1, **big)
+        # A chunk tail: 4096 + 77 tokens in chunks of 1024 rows.
+        _case(g, lead=(4173,), chunk_bytes=1024 * 64128 * 2, reduction="mean", grads=("nll",), seed=2, **big)
+        _case(
+            g,
+            lead=(2, 1024),
+            hidden=2048,
+            vocab=151936,
+            dtype=torch.float16,
+            grads=("entropy",),
+            device=dev,
+            seed=3,
+        )
+        _case(
+            g,
+            lead=(512,),
+            hidden=1024,
+            vocab=32000,
+            dtype=torch.float32,
+            targets="last_shard",
+            device=dev,
+            seed=4,
+        )
+
+    def compiled() -> None:
+        from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+        x = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        gen = torch.Generator(device=dev).manual_seed(9)
+        w = (torch.randn(16000, 1024, device=dev, generator=gen) / 32).to(torch.bfloat16).requires_grad_(True)
+        t = torch.randint(0, 32000, (1024,), device=dev, generator=gen)
+
+        def f(x, w, t):
+            nll, _, ent = flsce(x, w, t, g, return_entropy=True)
+            return nll.mean() - 0.01 * ent.mean()
+
+        eager = f(x, w, t)
+        ge = torch.autograd.grad(eager, (x, w))
+        out = torch.compile(f, fullgraph=True)(x, w, t)  # inductor
+        gc = torch.autograd.grad(out, (x, w))
+        torch.testing.assert_close(out, eager)
+        torch.testing.assert_close(gc, ge)
+
+    def configured() -> bool:
+        native = configure(
+            process_groups={"tp": g},
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=8192, hidden_size=4096, local_vocab_size=75968, group="tp"
+            ),
+        )
+        try:
+            assert flsce_context(g).native == native
+            cases()
+            compiled()
+            from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+            x = torch.randn(8193, 64, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(100, 64, device=dev, dtype=torch.bfloat16)
+            t = torch.zeros(8193, dtype=torch.long, device=dev)
+            _expect_error(ValueError, lambda: flsce(x, w, t, g), "max_tokens")
+        finally:
+            finalize()
+        return native
+
+    return _sections(rank, [("unconfigured", cases), ("compile", compiled), ("configured", configured)])
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
+    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=1200)
+    _section(results, "unconfigured")
+    _section(results, "compile")
+    natives = _section(results, "configured")
+    assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"
