@@ -92,25 +92,11 @@ def _best(sweep: Sweep, kernel: str, k: int = 1) -> list[dict]:
     return [r.extra["params"] for r in sorted(done, key=lambda r: r.median_ms)[:k]]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument(
-        "--budget-s", type=float, default=110.0, help="stop starting new configurations after this"
-    )
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if not torch.cuda.is_available():
-        print("tune_cross_entropy: needs a CUDA GPU", file=sys.stderr)
-        return 2
-
+def _sweep_cross_entropy(sweep: Sweep, copy_rate: float) -> dict[str, dict]:
     from lck_kernels._common import tuning
     from lck_kernels._cross_entropy_launch import CEOptions, launch_bwd, launch_reduction
     from lck_kernels.cross_entropy import cross_entropy
-    from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-    copy_rate = _copy_rate()
-    print(f"device-to-device copy: {copy_rate / 1e9:.0f} GB/s", flush=True)
-    sweep = Sweep(args.budget_s)
     gen = torch.Generator("cuda").manual_seed(0)
     logits = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     target = torch.randint(0, V, (N,), device="cuda", generator=gen)
@@ -130,23 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
 
     print("3. gradient from a saved lse (cross_entropy_bwd)", flush=True)
-    opts = CEOptions()
     red = launch_reduction(target, None, V, -100, mean=True, wrap=False)
     lse = torch.logsumexp(logits.float(), -1)
     grad = torch.empty_like(logits)
     one = torch.ones((), device="cuda")
     bwd_fn = lambda: launch_bwd(
-        logits, grad, target, None, red, opts, lse=lse, entropy=None, g_loss=one, g_lse=None, g_entropy=None,
-        wrap=False,
+        logits, grad, target, None, red, CEOptions(), lse=lse, entropy=None, g_loss=one, g_lse=None,
+        g_entropy=None, wrap=False,
     )  # fmt: skip
     for p in _grid(block_bytes=(32768, 16384), warps=(16, 8), programs_per_sm=(0, 4)):
         sweep.run("cross_entropy_bwd", p, bwd_fn, 2 * nbytes, copy_rate)
-    del grad, lse
 
-    best = {
-        k: (_best(sweep, k) or [{}])[0]
-        for k in ("cross_entropy_fwd_grad", "cross_entropy_fwd", "cross_entropy_bwd")
-    }
+    kernels = ("cross_entropy_fwd_grad", "cross_entropy_fwd", "cross_entropy_bwd")
+    best = {k: (_best(sweep, k) or [{}])[0] for k in kernels}
     leaf = logits.clone().requires_grad_(True)
     with tuning("cross_entropy_fwd_grad", **best["cross_entropy_fwd_grad"]):
         full = summarize(time_cuda(lambda: torch.autograd.grad(cross_entropy(leaf, target), leaf), iters=20))
@@ -156,21 +138,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     rec.__dict__.update(full)
     sweep.records.append(rec)
-    del leaf, logits
+    return best
+
+
+def _sweep_chunk_budget(sweep: Sweep, best_grad: dict) -> None:
+    from lck_kernels._common import tuning
+    from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     print("4. fused linear cross entropy chunk budget", flush=True)
+    gen = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(V, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, V, (N,), device="cuda", generator=gen)
     for mib in (512, 256, 768, 128):
         if not sweep.left():
             break
-        step = lambda: torch.autograd.grad(
-            fused_linear_cross_entropy(x, w, target, chunk_bytes=mib << 20), (x, w)
-        )
+
+        def step(mib=mib):
+            return torch.autograd.grad(
+                fused_linear_cross_entropy(x, w, target, chunk_bytes=mib << 20), (x, w)
+            )
+
         rec = Record(
             "fused_linear_cross_entropy", f"chunk_bytes={mib}MiB", "fwd_bwd", f"{N}x{H}x{V}", "bfloat16"
         )
-        with tuning("cross_entropy_fwd_grad", **best["cross_entropy_fwd_grad"]):
+        with tuning("cross_entropy_fwd_grad", **best_grad):
             rec.__dict__.update(summarize(time_cuda(step, warmup=2, iters=5)))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -178,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
             grads = step()
             torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
-        del grads
         rec.extra.update(extra_gb=extra / 1e9, tflop_per_s=6 * N * H * V / (rec.median_ms * 1e-3) / 1e12)
         sweep.records.append(rec)
         print(
@@ -187,6 +178,23 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--budget-s", type=float, default=110.0, help="stop starting new configurations after this"
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("tune_cross_entropy: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    copy_rate = _copy_rate()
+    print(f"device-to-device copy: {copy_rate / 1e9:.0f} GB/s", flush=True)
+    sweep = Sweep(args.budget_s)
+    best = _sweep_cross_entropy(sweep, copy_rate)
+    torch.cuda.empty_cache()
+    _sweep_chunk_budget(sweep, best["cross_entropy_fwd_grad"])
     print("\nbest overrides (copy into lck_kernels._cross_entropy_kernels._DEFAULTS):")
     for kernel, params in best.items():
         print(f"  {kernel!r}: {params}")
