@@ -401,13 +401,12 @@ def _rescale_factor_kernel(g_ptr, applied_ptr, factor_ptr):
 
 
 @triton.jit
-def _rescale_kernel(ptr, n, factor_ptr, BLOCK: tl.constexpr):
+def _rescale_kernel(ptr, n, n_blocks, factor_ptr, BLOCK: tl.constexpr):
     f = tl.load(factor_ptr)
     if f != 1.0:
-        pid = tl.program_id(0).to(tl.int64)
-        nprog = tl.num_programs(0).to(tl.int64)
-        for start in range(pid * BLOCK, n, nprog * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        # Block indices stay int32 (n_blocks is small); element offsets are int64 (n may pass 2^31).
+        for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             v = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptr + offs, (v * f).to(ptr.dtype.element_ty), mask=mask)

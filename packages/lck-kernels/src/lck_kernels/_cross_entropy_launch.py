@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from lck_kernels import _cross_entropy_kernels as k
 from lck_kernels._common import launcher, num_sms
@@ -222,5 +223,5 @@ def launch_rescale_flat(
         if t.numel() == 0:
             continue
         _kernel(k._rescale_kernel, wrap)[k.rescale_grid(t.numel(), block, t.device)](
-            t, t.numel(), factor, BLOCK=block, num_warps=8
+            t, t.numel(), triton.cdiv(t.numel(), block), factor, BLOCK=block, num_warps=8
         )
