@@ -1,0 +1,391 @@
+"""Tensor-parallel FLSCE benchmark: one NCCL process per GPU, the runtime configured, fixed iteration counts.
+
+    python -m lck_kernels.bench.tp --tp 2 --out DIR [--quick] [--entropy] [--chunk-mib 256 512]
+
+Every rank builds the same inputs (seeded on the GPU): ``x [T, H]``, the full ``W [V, H]`` (bf16) and
+targets; rank ``r`` keeps its vocabulary shard. Measured, each with CUDA events around every call after a
+warm-up, a barrier (gloo) before each timed call, and the same iteration count on every rank (never
+``do_bench``, whose adaptive repeat count desynchronises collectives); a TP time is the per-iteration
+maximum over ranks:
+
+- ``lck_tp<N>_nccl``: ``vocab_parallel_fused_linear_scaled_cross_entropy`` before ``configure``
+  (torch.distributed reductions over NCCL);
+- ``lck_tp<N>_nvshmem``: the same after ``lck_runtime.configure(flsce=...)`` (NVSHMEM reductions; labelled
+  ``lck_tp<N>_runtime`` if NVSHMEM could not come up);
+- ``liger_tp<N>``: Liger-Kernel's ``LigerFusedLinearScaledCrossEntropyTPFunction`` when installed (its
+  native CUTLASS path if liger-cute-kernels is importable, else its torch fallback; ``extra.path`` says);
+- on rank 0 alone, over the whole vocabulary: ``lck_single`` (``fused_linear_scaled_cross_entropy``),
+  ``liger_single`` (when importable) and ``torch_single`` (eager float32 logits).
+
+Modes: ``fwd`` (inputs require grad, no backward) and ``fwd_bwd`` (per-token random upstream gradients of
+the NLL — and of the entropy with ``--entropy`` — through ``torch.autograd.grad``). ``peak_mib`` is the peak
+allocated during one call above what was live before it (outputs and gradients included). Results go to
+``<out>/<gpu>-<date>-tp<N>.{json,csv,png}`` with provenance; the targets (TP ≤ 0.6 × single-GPU, faster
+than the native liger-cute-kernels figures in FACTS.md) are printed and stored in ``meta``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+# liger-cute-kernels 0.8.5 (native CUTLASS + NVSHMEM), TP=2 on 2 x H200, 8192 x 4096 -> 128256 bf16
+# (FACTS.md, measured 2026-11-30): forward, forward+backward (ms), extra peak (MiB).
+LIGER_CUTE_TP2 = {"fwd": 6.74, "fwd_bwd": 29.6, "peak_mib": 1.1e9 / 2**20}
+TARGET_RATIO = 0.6
+WORKER_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _closures(op, x, w, target, g_nll, g_ent, entropy: bool):
+    """(fwd, fwd_bwd) closures for ``op(x, w, target) -> nll or (nll, entropy)``."""
+    import torch
+
+    def fwd():
+        return op(x, w, target)
+
+    def fwd_bwd():
+        out = op(x, w, target)
+        if entropy:
+            nll, ent = out
+            return torch.autograd.grad((nll, ent), (x, w), (g_nll, g_ent))
+        return torch.autograd.grad(_first(out), (x, w), g_nll)
+
+    return fwd, fwd_bwd
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+    import torch
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as vp_flsce
+    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize
+    from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+
+    tokens, hidden, vocab, tau, entropy = (
+        cfg["tokens"],
+        cfg["hidden"],
+        cfg["vocab"],
+        cfg["tau"],
+        cfg["entropy"],
+    )
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    cpu = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=1800))
+    barrier = lambda: dist.barrier(group=cpu)
+    vs = vocab // world
+    shape = f"{tokens}x{hidden}->{vocab}"
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    x = torch.randn(tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_(True)
+    w_full = (torch.randn(vocab, hidden, device=dev, generator=gen) / hidden**0.5).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device=dev, generator=gen)
+    g_nll = torch.randn(tokens, device=dev, generator=gen)
+    g_ent = 0.1 * torch.randn(tokens, device=dev, generator=gen)
+    w = w_full[rank * vs : (rank + 1) * vs].clone().requires_grad_(True)
+    if rank != 0:
+        del w_full
+    torch.cuda.empty_cache()
+    records: list[Record] = []
+    flops = {"fwd": 2 * tokens * hidden * vocab, "fwd_bwd": 6 * tokens * hidden * vocab}
+    providers = cfg["providers"]
+
+    def gathered(times: list[float]) -> list[float]:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, times, group=cpu)
+        return [max(ts) for ts in zip(*every)]  # a TP step lasts as long as its slowest rank
+
+    def measure_tp(provider: str, op, extra: dict[str, Any]) -> None:
+        if providers and provider not in providers:
+            return
+        fns = dict(zip(("fwd", "fwd_bwd"), _closures(op, x, w, target, g_nll, g_ent, entropy)))
+        for mode, fn in fns.items():
+            rec = Record("flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": world, **extra})
+            err = None
+            try:
+                times = time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"], barrier=barrier)
+                peak = peak_memory_mib(fn)
+            except Exception as exc:  # a provider that fails is a record, not a crash (all ranks fail alike)
+                err, times, peak = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", [], None
+            errs: list[Any] = [None] * world
+            dist.all_gather_object(errs, err, group=cpu)
+            if any(errs):
+                rec.error = next(e for e in errs if e)
+                records.append(rec)
+                continue
+            rec.__dict__.update(summarize(gathered(times)))
+            peaks: list[Any] = [None] * world
+            dist.all_gather_object(peaks, peak, group=cpu)
+            rec.peak_mib = max(peaks)
+            rec.extra["tflop_per_s_per_gpu"] = flops[mode] / world / (rec.median_ms * 1e-3) / 1e12
+            records.append(rec)
+        torch.cuda.empty_cache()
+
+    def lck_tp(chunk_mib: int):
+        def op(x, w, t):
+            out = vp_flsce(
+                x, w, t, group, inverse_temperature=tau, return_entropy=entropy, chunk_bytes=chunk_mib << 20
+            )
+            return (out[0], out[2]) if entropy else out[0]
+
+        return op
+
+    # Correctness once, outside timing: the TP NLL against the single-GPU ops on the whole vocabulary
+    # (filled in on rank 0 by _single_gpu).
+    check: dict[str, Any] = {}
+
+    # 1. torch.distributed (NCCL) reductions: no runtime context yet.
+    for mib in cfg["chunk_mib"]:
+        measure_tp(f"lck_tp{world}_nccl", lck_tp(mib), {"chunk_mib": mib})
+    # 2. The runtime's context (NVSHMEM when it comes up).
+    native = configure(
+        process_groups={"tp": group},
+        device=dev,
+        flsce=FusedLinearCrossEntropyConfig(
+            max_tokens=tokens, hidden_size=hidden, local_vocab_size=vs, group="tp"
+        ),
+    )
+    label = f"lck_tp{world}_{'nvshmem' if native else 'runtime'}"
+    for mib in cfg["chunk_mib"]:
+        measure_tp(label, lck_tp(mib), {"chunk_mib": mib, "native": native})
+    with torch.no_grad():
+        nll_tp = _first(lck_tp(cfg["chunk_mib"][0])(x, w, target))
+    # 3. Liger-Kernel's TP frontend.
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+            LigerFusedLinearScaledCrossEntropyTPFunction,
+        )
+    except ImportError:
+        LigerFusedLinearScaledCrossEntropyTPFunction = None
+    if LigerFusedLinearScaledCrossEntropyTPFunction is not None:
+        try:
+            import liger_kernel.ops.fused_linear_scaled_cross_entropy as lfs
+
+            path = "native" if lfs._load_native_tp_function() is not None else "torch fallback"
+        except Exception:
+            path = "torch fallback"
+
+        def liger_tp(x, w, t):
+            return LigerFusedLinearScaledCrossEntropyTPFunction.apply(
+                x, w, t, group, 1.0 / tau, -100, 1, entropy
+            )
+
+        measure_tp(f"liger_tp{world}", liger_tp, {"path": path})
+    finalize()
+
+    # 4. Single GPU, whole vocabulary, rank 0 only (the others wait at the gloo barrier).
+    if rank == 0:
+        records += _single_gpu(cfg, x, w_full, target, g_nll, g_ent, shape, flops, check, nll_tp)
+    barrier()
+    if rank != 0:
+        return None
+    out = [asdict(r) for r in records]
+    out.append({"check": check})
+    return out
+
+
+def _single_gpu(cfg, x, w_full, target, g_nll, g_ent, shape, flops, check, nll_tp) -> list[Any]:
+    import torch
+
+    from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+
+    tau, entropy, providers = cfg["tau"], cfg["entropy"], cfg["providers"]
+    w = w_full.clone().requires_grad_(True)
+    singles: dict[str, Any] = {}
+    try:
+        from lck_kernels import fused_linear_scaled_cross_entropy as lck_single
+
+        def lck_op(x, w, t):
+            out = lck_single(x, w, t, inverse_temperature=tau, return_entropy=entropy)
+            return (out[0], out[-1]) if entropy else _first(out)
+
+        singles["lck_single"] = lck_op
+    except (ImportError, AttributeError) as exc:
+        singles["lck_single"] = exc
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+            LigerFusedLinearScaledCrossEntropyFunction,
+        )
+
+        singles["liger_single"] = lambda x, w, t: LigerFusedLinearScaledCrossEntropyFunction.apply(
+            x, w, t, 1.0 / tau, -100, 1, entropy
+        )
+    except ImportError:
+        pass
+
+    def torch_op(x, w, t):
+        z = (x @ w.t()).float() * tau
+        logp = z.log_softmax(-1)
+        nll = -logp.gather(-1, t[:, None]).squeeze(-1)
+        return (nll, -(logp.exp() * logp).sum(-1)) if entropy else nll
+
+    singles["torch_single"] = torch_op
+    records = []
+    for provider, op in singles.items():
+        if providers and provider not in providers:
+            continue
+        if isinstance(op, Exception):
+            for mode in ("fwd", "fwd_bwd"):
+                records.append(
+                    Record("flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": 1}, error=repr(op))
+                )
+            continue
+        fwd, fwd_bwd = _closures(op, x, w, target, g_nll, g_ent, entropy)
+        for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            rec = Record("flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": 1})
+            try:
+                rec.__dict__.update(summarize(time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"])))
+                rec.peak_mib = peak_memory_mib(fn)
+                rec.extra["tflop_per_s_per_gpu"] = flops[mode] / (rec.median_ms * 1e-3) / 1e12
+            except Exception as exc:
+                rec.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            records.append(rec)
+        if provider in ("lck_single", "torch_single"):
+            with torch.no_grad():
+                ref = _first(op(x, w, target)).float()
+            check[f"tp_vs_{provider}_nll_rel_err"] = ((nll_tp.float() - ref).norm() / ref.norm()).item()
+            del ref
+        torch.cuda.empty_cache()
+    return records
+
+
+def _targets(records: list[Any], tp: int, tokens: int, hidden: int, vocab: int) -> dict[str, Any]:
+    def best(prefix: str, mode: str) -> Any:
+        hits = [
+            r for r in records if r.provider.startswith(prefix) and r.mode == mode and r.median_ms is not None
+        ]
+        return min(hits, key=lambda r: r.median_ms) if hits else None
+
+    out: dict[str, Any] = {}
+    tp_nv = best(f"lck_tp{tp}_nvshmem", "fwd_bwd") or best(f"lck_tp{tp}_runtime", "fwd_bwd")
+    for single_name in ("lck_single", "torch_single"):
+        single = best(single_name, "fwd_bwd")
+        if single and tp_nv:
+            ratio = tp_nv.median_ms / single.median_ms
+            verdict = {"value": ratio, "target": TARGET_RATIO, "met": ratio <= TARGET_RATIO}
+            out[f"tp_over_{single_name}_fwd_bwd"] = verdict
+    if (tp, tokens, hidden, vocab) == (2, 8192, 4096, 128256):
+        for mode in ("fwd", "fwd_bwd"):
+            r = best(f"lck_tp{tp}_nvshmem", mode) or best(f"lck_tp{tp}_runtime", mode)
+            if r:
+                peer = LIGER_CUTE_TP2[mode]
+                out[f"vs_liger_cute_{mode}"] = {
+                    "value_ms": r.median_ms,
+                    "peer_ms": peer,
+                    "met": r.median_ms < peer,
+                }
+        r = best(f"lck_tp{tp}_nvshmem", "fwd_bwd") or best(f"lck_tp{tp}_runtime", "fwd_bwd")
+        if r and r.peak_mib is not None:
+            out["peak_mib_vs_liger_cute"] = {"value": r.peak_mib, "peer": LIGER_CUTE_TP2["peak_mib"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time vocab-parallel FLSCE at tensor-parallel size --tp against the single-GPU op and peers."""
+    import torch
+
+    from lck_runtime.benchmarking import Record, bar_plot, gpu_slug, write_results
+    from lck_runtime.testing import run_workers
+
+    p = argparse.ArgumentParser(prog="python -m lck_kernels.bench.tp", description=main.__doc__)
+    p.add_argument("--tp", type=int, default=2, help="processes (one GPU each), default 2")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--inverse-temperature", type=float, default=1.0)
+    p.add_argument(
+        "--entropy", action="store_true", help="also return the entropy and backpropagate through it"
+    )
+    p.add_argument("--chunk-mib", type=int, nargs="+", default=[256], help="lck chunk budgets to try (MiB)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="1024 x 1024 -> 32000, 5 iterations")
+    p.add_argument("--providers", nargs="*", default=None, help="restrict to these providers")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"result folder (default {DEFAULT_OUT})")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds before the run is abandoned")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        args.tokens, args.hidden, args.vocab, args.iters = 1024, 1024, 32000, 5
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"bench.tp: needs {args.tp} CUDA GPUs, found {have}", file=sys.stderr)
+        return 2
+    if args.tp < 1 or args.vocab % args.tp:
+        print(f"bench.tp: --vocab {args.vocab} must split into --tp {args.tp} equal shards", file=sys.stderr)
+        return 2
+    cfg = {
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+        "tau": args.inverse_temperature,
+        "entropy": args.entropy,
+        "chunk_mib": args.chunk_mib,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "providers": args.providers,
+    }
+    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
+    t0 = time.monotonic()
+    # Spawned ranks unpickle the worker by module path: import it under its package name, not __main__.
+    from lck_kernels.bench.tp import _worker as worker
+
+    results = run_workers(worker, args.tp, cfg, backend="nccl", env=env, timeout=args.timeout)
+    raw = results[0]
+    check = raw.pop()["check"]
+    records = [Record(**r) for r in raw]
+    targets = _targets(records, args.tp, args.tokens, args.hidden, args.vocab)
+    stem = f"{gpu_slug()}-{_dt.date.today().isoformat()}-tp{args.tp}" + ("-quick" if args.quick else "")
+    meta = {
+        "cfg": cfg,
+        "tp": args.tp,
+        "check": check,
+        "targets": targets,
+        "peers_from_facts": {"liger_cute_kernels_0.8.5_tp2_ms_and_mib": LIGER_CUTE_TP2},
+        "timing": "CUDA events per call, gloo barrier before each, fixed iterations; TP time = max over ranks",
+        "peak_mib": "peak allocated during one call above what was live before it (outputs and grads included)",
+        "wall_s": time.monotonic() - t0,
+    }
+    paths = write_results(
+        records,
+        args.out,
+        stem,
+        meta=meta,
+        plot=lambda recs, path: bar_plot(
+            recs, path, title=f"vocab-parallel FLSCE, TP={args.tp}, {gpu_slug()}"
+        ),
+    )
+    print(f"{'provider':<22}{'mode':<9}{'chunk':>6}{'ms':>10}{'p20':>9}{'p80':>9}{'MiB':>9}{'TF/s/GPU':>10}")
+    for r in records:
+        if r.error:
+            print(f"{r.provider:<22}{r.mode:<9}{'':>6}  error: {r.error}")
+            continue
+        chunk = r.extra.get("chunk_mib", "")
+        tf = r.extra.get("tflop_per_s_per_gpu", 0.0)
+        print(
+            f"{r.provider:<22}{r.mode:<9}{chunk!s:>6}{r.median_ms:10.3f}{r.p20_ms:9.3f}{r.p80_ms:9.3f}"
+            f"{r.peak_mib:9.0f}{tf:10.1f}"
+        )
+    print("check:", check)
+    for name, verdict in targets.items():
+        print(f"target {name}: {verdict}")
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
