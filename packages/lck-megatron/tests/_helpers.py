@@ -96,3 +96,19 @@ def build_gpt(config: Any, vocab_size: int = 64, seq: int = 16) -> Any:
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=seq
     )
+
+
+def run_mlp(mlp, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One forward+backward of a Megatron MLP on a copy of ``x``: output, input and weight gradients."""
+    for p in mlp.parameters():
+        p.grad = None
+    xi = x.detach().clone().requires_grad_(True)
+    out, out_bias = mlp(xi)
+    assert out_bias is None
+    out.backward(dout)
+    return {
+        "output": out.detach(),
+        "input grad": xi.grad,
+        "fc1 weight grad": mlp.linear_fc1.weight.grad.clone(),
+        "fc2 weight grad": mlp.linear_fc2.weight.grad.clone(),
+    }

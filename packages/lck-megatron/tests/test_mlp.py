@@ -9,26 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import assert_close, build_mlp, swiglu_ref, transformer_config
+from _helpers import assert_close, build_mlp, run_mlp, swiglu_ref, transformer_config
 
 from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
 
 pytestmark = pytest.mark.megatron
-
-
-def _run(mlp, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
-    for p in mlp.parameters():
-        p.grad = None
-    xi = x.detach().clone().requires_grad_(True)
-    out, out_bias = mlp(xi)
-    assert out_bias is None
-    out.backward(dout)
-    return {
-        "output": out.detach(),
-        "input grad": xi.grad,
-        "fc1 weight grad": mlp.linear_fc1.weight.grad.clone(),
-        "fc2 weight grad": mlp.linear_fc2.weight.grad.clone(),
-    }
 
 
 def _reference(mlp, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -49,12 +34,12 @@ def _check_parity(
     x = torch.randn(*shape, config.hidden_size, dtype=dtype, device=device)
     dout = torch.randn(*shape, config.hidden_size, dtype=dtype, device=device)
 
-    stock = _run(mlp, x, dout)
+    stock = run_mlp(mlp, x, dout)
     apply_lck_to_megatron(rms_norm=False, swiglu=True, swiglu_in_place=in_place)
     from megatron.core.transformer import mlp as mlp_module
 
     impl = mlp_module.bias_swiglu_impl
-    patched = _run(mlp, x, dout)
+    patched = run_mlp(mlp, x, dout)
     assert impl.calls == {"lck": 1, "fallback": 0}, f"the patched MLP did not run lck's kernel: {impl.calls}"
     revert_lck_from_megatron()
     ref = _reference(mlp, x, dout)
@@ -103,13 +88,13 @@ def test_in_place_saves_activation_memory_cuda(megatron_tp1: None) -> None:
     dout = torch.randn_like(x)
 
     def peak() -> float:
-        _run(mlp, x, dout)  # warm-up (allocator, compile of Megatron's fusion)
+        run_mlp(mlp, x, dout)  # warm-up (allocator, compile of Megatron's fusion)
         for p in mlp.parameters():
             p.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        _run(mlp, x, dout)
+        run_mlp(mlp, x, dout)
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 

@@ -14,7 +14,8 @@ installed function with ``inspect.signature``). With a tensor-parallel group of 
 ``lck_kernels.cross_entropy`` (no collectives); with more it runs
 ``lck_kernels.vocab_parallel_cross_entropy`` over the group. Megatron's label smoothing spreads the
 smoothing mass over the *other* classes (``alpha·K/(K−1)`` in torch's convention); the route converts,
-so losses match Megatron's. Differences: lck treats a target of ``-100`` as ignored (loss and gradient
+so losses match Megatron's. At TP>1 Megatron computes the smoothing term over each rank's vocabulary
+shard alone, which no unsharded loss reproduces: those calls stay with Megatron. Differences: lck treats a target of ``-100`` as ignored (loss and gradient
 0) where Megatron has no ignore index, and the fused route returns gradients in the logits' dtype where
 Megatron's fused function always returns bfloat16.
 """
@@ -98,7 +99,13 @@ class LckVocabParallelCrossEntropy:
             if group is None:
                 group = _tensor_parallel_group()
             tp = torch.distributed.get_world_size(group)
-            smoothing, reason = _torch_label_smoothing(label_smoothing, logits.shape[-1] * tp)
+            if tp > 1 and label_smoothing:
+                # Megatron's own smoothing term at TP>1 averages log-probabilities over each rank's vocabulary
+                # shard only (ranks then report different losses); lck's smooths over the whole vocabulary.
+                # Keep the patch a drop-in: such calls stay with Megatron.
+                reason = "label smoothing at TP>1 is computed per vocabulary shard by Megatron"
+            else:
+                smoothing, reason = _torch_label_smoothing(label_smoothing, logits.shape[-1] * tp)
         if reason is not None:
             self._log(f"lck: {self.original.__qualname__} is handled by Megatron because {reason}")
             if not torch.compiler.is_compiling():
