@@ -82,9 +82,12 @@ def _ce_row_stats(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # One block-wide reduction per tile (the maximum): the exp sums stay per lane until the end of the
+    # row, rescaled by a per-tile scalar. The smoothing sum is reduced per tile instead: a third per-lane
+    # accumulator would spill registers at 32 warps.
     m = tl.full((), _M_FLOOR, tl.float32)
-    s = tl.zeros((), tl.float32)
-    q = tl.zeros((), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    q = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((), tl.float32)
     for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
         cols = start + tl.arange(0, BLOCK)
@@ -97,9 +100,9 @@ def _ce_row_stats(
         m_new = tl.maximum(m, tl.max(z, 0))
         e = tl.exp(z - m_new)
         alpha = tl.exp(m - m_new)
-        s = s * alpha + tl.sum(e, 0)
+        s = s * alpha + e
         if ENTROPY:
-            q = q * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), 0)
+            q = q * alpha + tl.where(e > 0.0, e * z, 0.0)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -110,7 +113,7 @@ def _ce_row_stats(
     has_t = t_local >= 0
     xt = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
     zt = tl.where(has_t, _ce_logit(xt, scale, softcap, HAS_SOFTCAP), 0.0)
-    return m, s, q, sw, zt
+    return m, tl.sum(s, 0), tl.sum(q, 0), sw, zt
 
 
 @triton.jit
