@@ -171,6 +171,30 @@ def test_in_place_saves_an_activation_sized_buffer():
     )
 
 
+@gpu
+def test_offsets_past_2_31_elements():
+    """524296 x 4096 bf16 has more than 2**31 elements: the last rows need 64-bit offsets, and each persistent
+    backward program walks ~2000 rows."""
+    rows, hidden = 2**31 // 4096 + 8, 4096
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    y, rstd = torch.ops.lck.rms_norm_fwd(x, w, 1e-6, 0.0, "gemma")
+    dx, dw = torch.ops.lck.rms_norm_bwd(dy, x, w, rstd, 0.0, "gemma")
+    tail = slice(rows - 16, rows)
+    x64 = x[tail].double().requires_grad_(True)
+    ref = reference(x64, w, 1e-6, 0.0)
+    (dx64,) = torch.autograd.grad(ref, x64, dy[tail].double())
+    assert_close(y[tail], ref, torch.bfloat16, name="y (last rows)")
+    assert_close(dx[tail], dx64, torch.bfloat16, name="dx (last rows)")
+    dw_ref = torch.zeros(hidden, device="cuda", dtype=torch.float64)
+    for chunk in range(0, rows, 65536):  # sum(dy * x * rstd) over all rows, in chunks to bound memory
+        part = slice(chunk, min(rows, chunk + 65536))
+        xf = x[part].double()
+        dw_ref += (dy[part].double() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0)
+    assert_close(dw, dw_ref, torch.bfloat16, name="dweight", scale=2.0)
+
+
 def test_strided_and_3d_inputs():
     torch.manual_seed(3)
     wide = torch.randn(10, 80, device=DEVICE)
