@@ -216,20 +216,21 @@ def test_zero_rows():
     assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros_like(w))
 
 
-def _bad_calls():
-    ok_x = torch.randn(4, 8, device=DEVICE)
-    ok_w = torch.randn(8, device=DEVICE)
+def _bad_calls(device):
+    """(argument named in the error, exception type, call); ``device`` is the kernel device (meta to count)."""
+    ok_x = torch.randn(4, 8, device=device)
+    ok_w = torch.randn(8, device=device)
     return [
         ("x", TypeError, lambda: rms_norm(ok_x.tolist(), ok_w)),
         ("x", TypeError, lambda: rms_norm(ok_x.to(torch.int32), ok_w)),
         ("x", ValueError, lambda: rms_norm(ok_x.to("meta"), ok_w)),
         ("x", ValueError, lambda: rms_norm(ok_x.t(), ok_w[:4])),
-        ("x", ValueError, lambda: rms_norm(torch.randn(4, 6, 8, device=DEVICE).transpose(0, 1), ok_w)),
-        ("x", ValueError, lambda: rms_norm(torch.randn(4, 0, device=DEVICE), ok_w[:0])),
+        ("x", ValueError, lambda: rms_norm(torch.randn(4, 6, 8, device=device).transpose(0, 1), ok_w)),
+        ("x", ValueError, lambda: rms_norm(torch.randn(4, 0, device=device), ok_w[:0])),
         ("weight", ValueError, lambda: rms_norm(ok_x, ok_w[:7])),
         ("weight", ValueError, lambda: rms_norm(ok_x, ok_w.view(2, 4))),
         ("weight", TypeError, lambda: rms_norm(ok_x, ok_w.to(torch.int64))),
-        ("weight", ValueError, lambda: rms_norm(ok_x, torch.randn(16, device=DEVICE)[::2])),
+        ("weight", ValueError, lambda: rms_norm(ok_x, torch.randn(16, device=device)[::2])),
         ("weight", ValueError, lambda: rms_norm(ok_x, ok_w.to("meta"))),
         ("eps", ValueError, lambda: rms_norm(ok_x, ok_w, eps=-1.0)),
         ("eps", ValueError, lambda: rms_norm(ok_x, ok_w, eps=float("nan"))),
@@ -239,9 +240,9 @@ def _bad_calls():
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls())))
+@pytest.mark.parametrize("i", range(len(_bad_calls("meta"))))
 def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
+    name, exc, call = _bad_calls(DEVICE)[i]
     with pytest.raises(exc, match=rf"rms_norm: {name}\b"):
         call()
 

@@ -92,8 +92,9 @@ def test_zero_rows():
     assert da.shape == db.shape == (0, 8)
 
 
-def _bad_calls():
-    a = torch.randn(4, 8, device=DEVICE)
+def _bad_calls(device):
+    """(argument named in the error, exception type, call); ``device`` is the kernel device (meta to count)."""
+    a = torch.randn(4, 8, device=device)
     return [
         ("a", TypeError, lambda: swiglu(a.tolist(), a)),
         ("a", TypeError, lambda: swiglu(a.to(torch.int32), a.to(torch.int32))),
@@ -102,15 +103,15 @@ def _bad_calls():
         ("b", ValueError, lambda: swiglu(a, a.to("meta"))),
         ("a", ValueError, lambda: swiglu(a, a[:, :4])),
         ("a", ValueError, lambda: swiglu(a.t(), a.t())),
-        ("b", ValueError, lambda: swiglu(a[:, :4], torch.randn(4, 4, device=DEVICE).t())),
-        ("a", ValueError, lambda: swiglu(torch.randn(4, 0, device=DEVICE), torch.randn(4, 0, device=DEVICE))),
-        ("a", ValueError, lambda: swiglu(torch.tensor(1.0, device=DEVICE), torch.tensor(1.0, device=DEVICE))),
+        ("b", ValueError, lambda: swiglu(a[:, :4], torch.randn(4, 4, device=device).t())),
+        ("a", ValueError, lambda: swiglu(torch.randn(4, 0, device=device), torch.randn(4, 0, device=device))),
+        ("a", ValueError, lambda: swiglu(torch.tensor(1.0, device=device), torch.tensor(1.0, device=device))),
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls())))
+@pytest.mark.parametrize("i", range(len(_bad_calls("meta"))))
 def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
+    name, exc, call = _bad_calls(DEVICE)[i]
     with pytest.raises(exc, match=rf"swiglu: {name}\b"):
         call()
 

@@ -120,24 +120,25 @@ def test_zero_rows():
     assert dy.shape == (0, 8)
 
 
-def _bad_calls():
-    y = torch.randn(4, 8, device=DEVICE)
+def _bad_calls(device):
+    """(argument named in the error, exception type, call); ``device`` is the kernel device (meta to count)."""
+    y = torch.randn(4, 8, device=device)
     return [
         ("y", TypeError, lambda: swiglu_packed(y.tolist())),
         ("y", TypeError, lambda: swiglu_packed(y.to(torch.int32))),
         ("y", ValueError, lambda: swiglu_packed(y.to("meta"))),
         ("y", ValueError, lambda: swiglu_packed(y[:, :7])),
-        ("y", ValueError, lambda: swiglu_packed(torch.randn(4, 0, device=DEVICE))),
-        ("y", ValueError, lambda: swiglu_packed(torch.randn(8, 4, device=DEVICE).t())),
-        ("y", ValueError, lambda: swiglu_packed(torch.randn(3, 4, 8, device=DEVICE).transpose(0, 1))),
-        ("y", ValueError, lambda: swiglu_packed(torch.tensor(1.0, device=DEVICE))),
+        ("y", ValueError, lambda: swiglu_packed(torch.randn(4, 0, device=device))),
+        ("y", ValueError, lambda: swiglu_packed(torch.randn(8, 4, device=device).t())),
+        ("y", ValueError, lambda: swiglu_packed(torch.randn(3, 4, 8, device=device).transpose(0, 1))),
+        ("y", ValueError, lambda: swiglu_packed(torch.tensor(1.0, device=device))),
         ("in_place", TypeError, lambda: swiglu_packed(y, in_place=1)),
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls())))
+@pytest.mark.parametrize("i", range(len(_bad_calls("meta"))))
 def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
+    name, exc, call = _bad_calls(DEVICE)[i]
     with pytest.raises(exc, match=rf"swiglu_packed: {name}\b"):
         call()
 

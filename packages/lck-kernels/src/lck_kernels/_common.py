@@ -5,8 +5,9 @@ Names here are stable (other op modules import them):
 - ``FLOAT_DTYPES``, ``dtype_name``: the floating dtypes our Triton kernels take, and how errors print them.
 - ``interpreting()``, ``kernel_device_type()``: whether Triton runs in its CPU interpreter
   (``TRITON_INTERPRET=1``), and so which device type kernel inputs must live on.
-- ``check_tensor``, ``check_same_device``, ``check_choice``, ``row_stride``, ``rows_view``: input validation raising
-  ``TypeError`` / ``ValueError`` that name the op and the argument, say what was expected and what was given.
+- ``check_tensor``, ``check_same_device``, ``check_choice``, ``check_float``, ``row_stride``, ``rows_view``: input
+  validation raising ``TypeError`` / ``ValueError`` that name the op and the argument, say what was expected and
+  what was given.
 - ``cdiv``, ``next_power_of_2``, ``row_block``, ``warps_for``, ``num_sms``: launch-size arithmetic.
 - ``tuned``, ``tuning``: per-kernel launch-parameter overrides, for the tuning script only.
 - ``define_op``: registers a ``torch.library`` op backed by Triton kernels (``triton_op`` on GPUs,
@@ -107,6 +108,14 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> None:
 def check_choice(op: str, name: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
         raise ValueError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_float(op: str, name: str, value: Any, *, minimum: float | None = None) -> None:
+    """A finite Python number (not a bool), optionally ``>= minimum``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+    if not ok or (minimum is not None and not value >= minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{op}: {name} must be a finite number{bound}, got {value!r}")
 
 
 def row_stride(t: torch.Tensor) -> int | None:
