@@ -4,8 +4,8 @@
 
 At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``:
 
-1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path), then pipelining depth
-   for the three best;
+1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): look-ahead loads,
+   tile, warps, persistent grid; then eviction hints off and pipelining depth for the two best;
 2. ``cross_entropy_fwd`` (loss only: one read of the logits);
 3. ``cross_entropy_bwd`` (gradient from a saved lse: the backward of the fused linear ops' recompute path);
 4. the fused linear cross entropy's ``chunk_bytes`` at 8192 × 4096 → 128256 (forward+backward time and the
@@ -105,15 +105,21 @@ def _sweep_cross_entropy(sweep: Sweep, copy_rate: float) -> dict[str, dict]:
 
     print("1. loss + gradient in one kernel (cross_entropy_fwd_grad)", flush=True)
     grad_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", True)
-    for p in _grid(block_bytes=(32768, 16384), warps=(32, 16), programs_per_sm=(1, 2, 0), evict=(1, 0)):
+    grid = _grid(
+        prefetch=(1, 0), block_bytes=(16384, 32768), warps=(32, 16), programs_per_sm=(1, 2, 0), evict=(1,)
+    )
+    for p in grid:
         sweep.run("cross_entropy_fwd_grad", p, grad_fn, 2 * nbytes, copy_rate)
-    for p in _best(sweep, "cross_entropy_fwd_grad", 3):
+    for p in _best(sweep, "cross_entropy_fwd_grad", 2):
+        sweep.run("cross_entropy_fwd_grad", {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate)
         sweep.run("cross_entropy_fwd_grad", {**p, "stages": 2}, grad_fn, 2 * nbytes, copy_rate)
 
     print("2. loss only (cross_entropy_fwd)", flush=True)
     loss_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False)
-    for p in _grid(block_bytes=(32768, 16384, 65536), warps=(16, 8), programs_per_sm=(0, 4)):
+    for p in _grid(block_bytes=(16384, 8192, 32768), warps=(16, 8, 32), prefetch=(0, 1)):
         sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
+    for p in _best(sweep, "cross_entropy_fwd", 2):
+        sweep.run("cross_entropy_fwd", {**p, "programs_per_sm": 4}, loss_fn, nbytes, copy_rate)
 
     print("3. gradient from a saved lse (cross_entropy_bwd)", flush=True)
     red = launch_reduction(target, None, V, -100, mean=True, wrap=False)

@@ -234,9 +234,9 @@ def test_reference_matches_torch_reduced_loss():
 @pytest.mark.parametrize(
     "params",
     [
-        {"block_bytes": 256, "programs_per_sm": 1},
-        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1},
-        {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2},
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1},
+        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0},
+        {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0},
     ],
     ids=str,
 )
@@ -244,9 +244,13 @@ def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **params):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
-        assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11
+        assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 and cfg["PREFETCH"] == bool(params["prefetch"])
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
         check_against_reference(11, 500, torch.float32, "none", seed=6, **_options("plain", 500))
+        logits, target = make_case(11, 500, torch.float32, seed=7)
+        loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)  # the loss-only kernel
+        ref = F.cross_entropy(logits.double(), target, reduction="none", label_smoothing=0.1)
+        assert_close(loss, ref, torch.float32, name="loss without gradient")
 
 
 def test_minus_inf_logits_are_masked_classes():

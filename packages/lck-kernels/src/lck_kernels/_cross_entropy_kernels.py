@@ -67,6 +67,14 @@ def _ce_logit(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    if EVICT:  # keep the row in L2 for the gradient pass that follows
+        return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
+
+
+@triton.jit
 def _ce_row_stats(
     x_row,
     n_cols,
@@ -81,6 +89,7 @@ def _ce_row_stats(
     ENTROPY: tl.constexpr,
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # One block-wide reduction per tile (the maximum): the exp sums stay per lane until the end of the
     # row, rescaled by a per-tile scalar. The smoothing sum is reduced per tile instead: a third per-lane
@@ -89,13 +98,16 @@ def _ce_row_stats(
     s = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((), tl.float32)
+    if PREFETCH:  # one tile of look-ahead: the next load is in flight during this tile's reduction
+        x_next = _ce_load_tile(x_row, 0, n_cols, BLOCK, EVICT)
     for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if EVICT:  # keep the row in L2 for the gradient pass that follows
-            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        if PREFETCH:
+            x = x_next
+            x_next = _ce_load_tile(x_row, start + BLOCK, n_cols, BLOCK, EVICT)
         else:
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            x = _ce_load_tile(x_row, start, n_cols, BLOCK, EVICT)
         z = tl.where(mask, _ce_logit(x, scale, softcap, HAS_SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
         e = tl.exp(z - m_new)
@@ -267,6 +279,7 @@ def _ce_fwd_kernel(
     GRAD: tl.constexpr,
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -281,7 +294,7 @@ def _ce_fwd_kernel(
         )
         m, s, q, sw, zt = _ce_row_stats(
             x_row, n_cols, t_local, weight_ptr, scale, softcap,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
         )  # fmt: skip
         lse = m + tl.log(s)
         ce = (1.0 - eps) * w_t * (lse - zt)
@@ -423,22 +436,25 @@ def _rescale_kernel(ptr, n, n_blocks, factor_ptr, BLOCK: tl.constexpr):
 # one kernel: read, re-read from L2, write), "cross_entropy_bwd" (gradient from a saved lse).
 # block_bytes: bytes of a row per tile (capped by the row); warps: warps per program; programs_per_sm: a
 # persistent grid of that many programs per SM, 0 for one program per row; evict: L2 eviction hints;
-# stages: software-pipelining depth of the row loop (1 = none).
+# stages: software-pipelining depth of the row loops (1 = none); prefetch: load the next tile of the
+# statistics pass before reducing the current one (kernels with a statistics pass only).
 _DEFAULTS = {
-    # One read per element: many rows in flight hide HBM latency.
-    "cross_entropy_fwd": {"block_bytes": 32768, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1},
+    # One read per element, one program per row: two 512-thread programs fit an SM (48 registers), so
+    # one's reduction overlaps the other's loads.
+    "cross_entropy_fwd": {
+        "block_bytes": 16384, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 0,
+    },
     # The second read must hit L2: about one row (256 KiB at 128k bf16) per SM in flight keeps the rows
     # being worked on (~33 MiB on 132 SMs) inside the 50 MiB L2, and the eviction hints keep the streamed
-    # gradient from pushing them out.
+    # gradient from pushing them out. With one program per SM, the next tile is loaded before the current
+    # one is reduced, so the loads never wait on the reduction's barrier.
     "cross_entropy_fwd_grad": {
-        "block_bytes": 32768,
-        "warps": 32,
-        "programs_per_sm": 1,
-        "evict": 1,
-        "stages": 1,
+        "block_bytes": 16384, "warps": 32, "programs_per_sm": 1, "evict": 1, "stages": 1, "prefetch": 1,
     },
-    "cross_entropy_bwd": {"block_bytes": 32768, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1},
-}
+    "cross_entropy_bwd": {
+        "block_bytes": 32768, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 0,
+    },
+}  # fmt: skip
 _ELEMENTS_PER_THREAD_FLOOR = 8  # fewer warps for short rows: at least this many elements per thread
 
 
@@ -463,6 +479,7 @@ def ce_launch_config(
         "grid": (max(1, programs),),
         "EVICT": bool(cfg["evict"]),
         "NUM_STAGES": max(1, cfg["stages"]),
+        "PREFETCH": bool(cfg.get("prefetch", 0)),
     }
 
 

@@ -122,6 +122,7 @@ def launch_fwd(
         GRAD=grad is not None,
         EVICT=cfg["EVICT"],
         NUM_STAGES=cfg["NUM_STAGES"],
+        PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"],
     )
 
