@@ -205,6 +205,19 @@ def _reference_cases(group) -> None:
             dict(lead=(3, 7), hidden=16, vocab=96, tau=1.6, targets="last_shard", chunk_bytes=4 * row),
             dict(lead=(16,), hidden=32, vocab=96, reduction="mean", grads=("nll",), targets="some_ignored"),
             dict(lead=(16,), hidden=32, vocab=96, reduction="sum", grads=("nll", "entropy")),
+            # gradients prepared in the forward (several chunks, per-chunk reductions), frozen input
+            dict(
+                lead=(20,),
+                hidden=32,
+                vocab=96,
+                reduction="sum",
+                grads=("nll",),
+                x_grad=False,
+                chunk_bytes=6 * row,
+            ),
+            dict(
+                lead=(20,), hidden=32, vocab=96, reduction="mean", tau=1.3, chunk_bytes=6 * row, w_grad=False
+            ),
             dict(lead=(16,), hidden=32, vocab=96, grads=("entropy",)),  # entropy bonus only
             dict(lead=(16,), hidden=32, vocab=96, grads=("lse",), x_grad=False),  # z-loss, frozen input
             dict(lead=(16,), hidden=32, vocab=96, w_grad=False, ignore_index=7, targets="some_ignored"),
@@ -229,6 +242,21 @@ def _ignored_cases(group) -> None:
             seed=20 + i,
         )
     _case(group, lead=(0,), hidden=16, vocab=64, seed=30)
+
+
+def _double_backward_case(group) -> None:
+    """reduction="sum" scales the forward-prepared gradient in place: a second backward must fail loudly."""
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+    rank = dist.get_rank(group)
+    gen = torch.Generator().manual_seed(45)
+    x = torch.randn(6, 16, generator=gen, requires_grad=True)
+    w = (torch.randn(64, 16, generator=gen) / 4)[rank * 32 : (rank + 1) * 32].requires_grad_(True)
+    loss, _ = flsce(x, w, torch.randint(0, 64, (6,), generator=gen), group, reduction="sum")
+    (2.0 * loss).backward(retain_graph=True)
+    _expect_error(RuntimeError, lambda: loss.backward(), "modified by an inplace operation")
 
 
 def _no_grad_cases(group) -> None:
@@ -395,7 +423,21 @@ def _compile_cases(group) -> None:
     gc = torch.autograd.grad(out, (x, w))
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(gc, ge)
-    torch.library.opcheck(_vp_flsce_fwd, (x, w, target, group.group_name, 0.9, -100, 1 << 20, 3))
+
+    def mean_fn(x, w, t):
+        loss, lse = flsce(x, w, t, group, reduction="mean")
+        return loss + 1e-2 * (lse**2).mean()
+
+    eager = mean_fn(x, w, target)
+    ge = torch.autograd.grad(eager, (x, w))
+    out = torch.compile(mean_fn, fullgraph=True, backend="aot_eager")(x, w, target)
+    gc = torch.autograd.grad(out, (x, w))
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge)
+    for reduction in (0, 2):
+        torch.library.opcheck(
+            _vp_flsce_fwd, (x, w, target, group.group_name, 0.9, -100, 1 << 20, 3, reduction)
+        )
     mod = LckVocabParallelFusedLinearScaledCrossEntropy(group, reduction="sum")
     nll, _ = mod(x, w, target)
     ref = _reference(x.double(), w_full.double(), target, 1.0, -100, "sum")[0]
@@ -412,6 +454,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
             ("reference", lambda: _reference_cases(g)),
             ("ignored", lambda: _ignored_cases(g)),
             ("no_grad", lambda: _no_grad_cases(g)),
+            ("double_backward", lambda: _double_backward_case(g)),
             ("errors", lambda: _error_cases(g)),
             ("configured", lambda: _configured_cases(g)),
             ("compile", lambda: _compile_cases(g)),
@@ -439,6 +482,11 @@ def test_all_ignored_rows_and_empty_input(world2) -> None:
 @cpu_variant
 def test_forward_without_grad(world2) -> None:
     _section(world2, "no_grad")
+
+
+@cpu_variant
+def test_second_backward_through_prepared_gradients_raises(world2) -> None:
+    _section(world2, "double_backward")
 
 
 @cpu_variant

@@ -14,6 +14,8 @@ softmax decompose over shards, so three kernels suffice:
 3. ``_vp_shard_grad_kernel`` — given the global LSE (and entropy) of each row and the upstream gradients
    of the per-row outputs, writes ``d(loss)/d(logits)`` of the shard; it may write in place over the logits.
 
+``_vp_scale_kernel`` scales a gradient prepared in the forward by the upstream scalar (no pass at 1.0).
+
 ``_vp_target_digest_kernel`` summarises a target vector (min and max of the non-ignored targets and a
 position-weighted hash) so the ops can check, in the same collective that checks shapes, that every rank
 holds the same targets inside the vocabulary. All row offsets are int64 (rows × vocabulary passes 2^31).
@@ -212,6 +214,18 @@ def _vp_target_digest_kernel(
         tl.store(out_ptr + 6 + k, ((h >> (16 * k)) & 0xFFFF).to(tl.float32))
 
 
+@triton.jit
+def _vp_scale_kernel(t_ptr, n, s_ptr, BLOCK: tl.constexpr):
+    s = tl.load(s_ptr).to(tl.float32)
+    # In training the upstream gradient of a summed loss is almost always exactly 1: skip the pass on
+    # device, without a host sync to find out.
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(t_ptr + offs, (v * s).to(t_ptr.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launchers (inputs already validated by the ops)
 # ---------------------------------------------------------------------------------------------------------
@@ -368,3 +382,13 @@ def decode_target_digest(limbs: list[float]) -> tuple[int, int, int]:
             v |= int(limbs[f * TARGET_LIMBS + k]) << (LIMB_BITS * k)
         vals.append(v)
     return vals[0] - TARGET_OFFSET, vals[1] - TARGET_OFFSET, vals[2]
+
+
+def scale_(t: torch.Tensor, s: torch.Tensor) -> None:
+    """``t *= s`` in place for a contiguous ``t`` and a one-element ``s`` on the same device; no pass when
+    ``s == 1`` (decided on the device)."""
+    n = t.numel()
+    if n == 0:
+        return
+    cfg = tuned("vp_scale", {"BLOCK": 4096, "num_warps": 8})
+    _vp_scale_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](t, n, s, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])

@@ -12,13 +12,20 @@ Forward (collective over ``group``): the call-agreement all-reduce (shapes, opti
 the shard-statistics kernel; one all-reduce of all chunks' statistics ``[tokens, tp, 5]`` (fp32) through the
 runtime's FLSCE context (NVSHMEM) or torch.distributed; one combine kernel.
 
-Backward (collective over ``group`` when ``x`` needs a gradient): upstream gradients of nll, lse and entropy
-are arbitrary per-token tensors (policy-gradient weights, masks), so the gradient cannot be prepared in the
-forward; the backward recomputes each chunk's logits (no statistics collective: the forward's global LSE and
-entropy are saved), writes ``dz`` in place over them, and runs ``grad_W_shard += dzᵀ x`` (local) and
-``grad_x_partial = dz W_shard``; the partial ``grad_x`` of every rank is summed across the group in one fp32
-all-reduce of ``[tokens, H]`` (within the configured capacity ``max_tokens · hidden``). Cost: one GEMM
-forward, three backward, each over ``V/tp``.
+Gradients (collective over ``group`` when ``x`` needs one: the partial ``grad_x = dz W_shard`` of every
+rank is summed across the group in one fp32 all-reduce of ``[tokens, H]``, within the configured capacity
+``max_tokens · hidden``; ``grad_W_shard = dzᵀ x`` is local). Two modes:
+
+- ``reduction="none"``: upstream gradients of nll, lse and entropy are arbitrary per-token tensors
+  (policy-gradient weights, masks), unknown in the forward. The backward recomputes each chunk's logits
+  (no statistics collective: the forward's global LSE and entropy are saved), writes ``dz`` in place over
+  them and runs the two gradient GEMMs. One GEMM forward, three backward, each over ``V/tp``.
+- ``reduction="sum"`` / ``"mean"`` with an input requiring grad: the forward computes the gradient of the
+  reduced NLL chunk by chunk right after each chunk's statistics (the all-reduce then runs per chunk),
+  keeps ``grad_x`` and ``grad_W_shard`` until backward and the backward only scales them by the upstream
+  scalar — on the device, skipping the pass when it is 1. Three GEMMs in all: the training fast path, at
+  the price of holding the two gradients between forward and backward. Gradients reaching lse/entropy in
+  this mode go through the recompute path and are added.
 
 Ignored targets give nll = lse = entropy = 0 and no gradient. The single-GPU op is
 ``lck_kernels.fused_linear_scaled_cross_entropy``; at ``tp = 1`` this one computes the same values.
@@ -44,6 +51,7 @@ from lck_kernels._common import (
 from lck_kernels.vocab_parallel_cross_entropy import Field, TPGroup, agree, check_target, group_name_of
 
 OP = "vocab_parallel_fused_linear_scaled_cross_entropy"
+REDUCTIONS = ("none", "sum", "mean")
 # Logits block per chunk: large enough that the chunk GEMMs run near cuBLAS peak (thousands of rows),
 # small enough that the working set stays a fraction of a GB at V/tp = 64k.
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -90,26 +98,13 @@ def _check_vp_flsce_inputs(
     return x2, t
 
 
-@torch.library.custom_op("lck::vp_flsce_fwd", mutates_args=())
-def _vp_flsce_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    group_name: str,
-    inverse_temperature: float,
-    ignore_index: int,
-    chunk_bytes: int,
-    grad_flags: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token (nll, lse, entropy), float32, shaped like ``target``. Collective over the group.
-
-    ``grad_flags`` (bit 0: x needs a gradient, bit 1: the weight does) only enters the agreement check: the
-    backward's collective runs iff bit 0 is set, so all ranks must agree on it.
-    """
-    tp = TPGroup.resolve(OP, group_name)
+def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction):
+    """Local validation, the collective agreement and the capacity check; returns (x2, t, local_vocab)."""
     error: BaseException | None = None
     try:
-        x2, t = _check_vp_flsce_inputs(x, weight, target, inverse_temperature, chunk_bytes)
+        x2, t = _check_vp_flsce_inputs(x, weight, target, tau, chunk_bytes)
+        if tp.ctx is not None and x.device != tp.ctx.device:
+            raise ValueError(f"{OP}: x is on {x.device} but lck_runtime.configure prepared {tp.ctx.device}")
     except (TypeError, ValueError) as exc:
         error, x2, t = exc, None, None
     tokens, hidden = (x2.shape[0], x2.shape[1]) if x2 is not None else (0, 0)
@@ -123,12 +118,12 @@ def _vp_flsce_fwd(
             local_vocab,
         ),
         Field("the dtype of x and weight_shard", FLOAT_DTYPES.index(x.dtype) if error is None else -1),
-        Field("inverse_temperature", float(inverse_temperature)),
+        Field("inverse_temperature", float(tau)),
         Field("ignore_index", int(ignore_index)),
         Field("which of x and weight_shard require gradients", int(grad_flags)),
+        Field("reduction", int(reduction)),
         Field("whether the group has a runtime FLSCE context (lck_runtime.configure)", tp.ctx is not None),
     ]
-    vocab = tp.size * local_vocab
     agree(
         OP,
         tp,
@@ -136,37 +131,175 @@ def _vp_flsce_fwd(
         error=error,
         target=t,
         ignore_index=ignore_index,
-        vocab_size=vocab,
+        vocab_size=tp.size * local_vocab,
         device=tp.comm_device(x),
     )
     assert x2 is not None and t is not None
     tp.check_capacity(tokens, hidden=hidden, local_vocab=local_vocab)
-    stats = torch.zeros(tokens, tp.size, K.STATS, device=x.device, dtype=torch.float32)
+    return x2, t, local_vocab
+
+
+def _stats(tp, logits, t, stats, local_vocab, tau, ignore_index) -> None:
+    K.shard_stats(
+        logits,
+        t,
+        stats,
+        vocab_start=tp.rank * local_vocab,
+        scale=tau,
+        ignore_index=ignore_index,
+        slot=tp.rank,
+    )
+
+
+def _chunk_grads(
+    tp, logits, x_c, weight, t_c, lse, ent, gs, gx_out, gw, first, local_vocab, tau, ignore_index
+):
+    """dz of the chunk in place over its logits, then ``gx_out = dz W`` and ``gw (+)= dzᵀ x_c`` (local)."""
+    K.shard_grad(
+        logits,
+        logits,
+        t_c,
+        lse,
+        ent,
+        g_loss=gs[0],
+        g_lse=gs[1],
+        g_entropy=gs[2],
+        vocab_start=tp.rank * local_vocab,
+        vocab_size=tp.size * local_vocab,
+        scale=tau,
+        ignore_index=ignore_index,
+    )
+    if gx_out is not None:
+        torch.mm(logits, weight, out=gx_out)
+    if gw is not None:
+        if first:
+            torch.mm(logits.t(), x_c, out=gw)
+        else:
+            gw.addmm_(logits.t(), x_c)
+
+
+def _sum_grad_x(tp: TPGroup, grad_x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # Each rank holds the contribution of its vocabulary shard; the gradient is their sum. fp32 on the
+    # wire (the context's scratch is fp32; summing bf16 partials would add a rounding step).
+    partial = grad_x if grad_x.dtype == torch.float32 else grad_x.float()
+    tp.all_reduce_(partial, "sum")
+    return (partial if partial.dtype == like.dtype else partial.to(like.dtype)).view(like.shape)
+
+
+@torch.library.custom_op("lck::vp_flsce_fwd", mutates_args=())
+def _vp_flsce_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    group_name: str,
+    inverse_temperature: float,
+    ignore_index: int,
+    chunk_bytes: int,
+    grad_flags: int,
+    reduction: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nll, lse, entropy, grad_x_pre, grad_weight_pre). Collective over the group.
+
+    nll, lse, entropy: float32 shaped like ``target`` (nll a scalar for ``reduction`` 1 = sum, 2 = mean).
+    ``grad_flags``: bit 0 x needs a gradient, bit 1 the weight does. With a reduction and a gradient
+    needed, the gradients of the reduced NLL are computed here, chunk by chunk (the statistics all-reduce
+    then runs per chunk: a chunk's gradient needs its global LSE) and returned as ``*_pre`` (empty
+    otherwise) for the backward to scale.
+    """
+    tau = inverse_temperature
+    tp = TPGroup.resolve(OP, group_name)
+    x2, t, local_vocab = _agree_and_check(
+        tp, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction
+    )
+    tokens, hidden = x2.shape
+    vocab = tp.size * local_vocab
+    precompute = reduction != 0 and grad_flags != 0
     rows = chunk_rows(tokens, local_vocab, x.element_size(), chunk_bytes)
     buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
-    for a in range(0, tokens, rows):
-        b = min(tokens, a + rows)
-        logits = torch.mm(x2[a:b], weight.t(), out=buf[: b - a])
-        K.shard_stats(
-            logits,
-            t[a:b],
-            stats[a:b],
-            vocab_start=tp.rank * local_vocab,
-            scale=inverse_temperature,
-            ignore_index=ignore_index,
-            slot=tp.rank,
-        )
-    del buf
-    tp.all_reduce_(stats.view(-1), "sum")
-    nll, lse, entropy = K.combine(stats, t, ignore_index=ignore_index, label_smoothing=0.0, vocab_size=vocab)
-    return nll.view(target.shape), lse.view(target.shape), entropy.view(target.shape)
+    if not precompute:
+        # All chunks' statistics first, then one all-reduce and one combine for the whole call.
+        stats = torch.zeros(tokens, tp.size, K.STATS, device=x.device, dtype=torch.float32)
+        for a in range(0, tokens, rows):
+            b = min(tokens, a + rows)
+            logits = torch.mm(x2[a:b], weight.t(), out=buf[: b - a])
+            _stats(tp, logits, t[a:b], stats[a:b], local_vocab, tau, ignore_index)
+        del buf
+        tp.all_reduce_(stats.view(-1), "sum")
+        nll, lse, ent = K.combine(stats, t, ignore_index=ignore_index, label_smoothing=0.0, vocab_size=vocab)
+        gx = gw = None
+    else:
+        nll, lse, ent = (torch.empty(tokens, device=x.device, dtype=torch.float32) for _ in range(3))
+        valid = (t != ignore_index).sum()
+        # d(sum nll)/d nll_i = 1, d(mean nll)/d nll_i = 1/n_valid: one device scalar, broadcast by stride 0.
+        unit = torch.ones(1, device=x.device, dtype=torch.float32)
+        unit = (unit / valid if reduction == 2 else unit).expand(tokens)
+        gx = torch.empty(tokens, hidden, device=x.device, dtype=x.dtype) if grad_flags & 1 else None
+        gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_flags & 2 else None
+        stats = torch.empty(rows, tp.size, K.STATS, device=x.device, dtype=torch.float32)
+        for a in range(0, tokens, rows):
+            b = min(tokens, a + rows)
+            x_c, st = x2[a:b], stats[: b - a]
+            logits = torch.mm(x_c, weight.t(), out=buf[: b - a])
+            st.zero_()
+            _stats(tp, logits, t[a:b], st, local_vocab, tau, ignore_index)
+            tp.all_reduce_(st.view(-1), "sum")
+            out = K.combine(st, t[a:b], ignore_index=ignore_index, label_smoothing=0.0, vocab_size=vocab)
+            for full, part in zip((nll, lse, ent), out):
+                full[a:b].copy_(part)
+            gs = (unit[a:b], None, None)
+            g_rows = gx[a:b] if gx is not None else None
+            _chunk_grads(
+                tp,
+                logits,
+                x_c,
+                weight,
+                t[a:b],
+                lse[a:b],
+                ent[a:b],
+                gs,
+                g_rows,
+                gw,
+                a == 0,
+                local_vocab,
+                tau,
+                ignore_index,
+            )
+        del buf
+        if gw is not None and tokens == 0:
+            gw.zero_()
+        if gx is not None:
+            gx = _sum_grad_x(tp, gx, x)
+    shape = target.shape
+    if reduction == 0:
+        nll_out = nll.view(shape)
+    else:
+        nll_out = nll.sum() if reduction == 1 else nll.sum() / (t != ignore_index).sum()
+    return (
+        nll_out,
+        lse.view(shape),
+        ent.view(shape),
+        (gx if gx is not None else x.new_empty(0)),  # distinct empties: outputs may not alias
+        (gw if gw is not None else x.new_empty(0)),
+    )
 
 
 @_vp_flsce_fwd.register_fake
-def _(x, weight, target, group_name, inverse_temperature, ignore_index, chunk_bytes, grad_flags):
+def _(x, weight, target, group_name, inverse_temperature, ignore_index, chunk_bytes, grad_flags, reduction):
     _check_vp_flsce_inputs(x, weight, target, inverse_temperature, chunk_bytes)
-    nll = x.new_empty(target.shape, dtype=torch.float32)
-    return nll, torch.empty_like(nll), torch.empty_like(nll)
+    lse = x.new_empty(target.shape, dtype=torch.float32)
+    nll = torch.empty_like(lse) if reduction == 0 else x.new_empty((), dtype=torch.float32)
+    precompute = reduction != 0 and grad_flags != 0
+    gx = (
+        torch.empty_like(x, memory_format=torch.contiguous_format)
+        if precompute and grad_flags & 1
+        else x.new_empty(0)
+    )
+    gw = (
+        torch.empty_like(weight, memory_format=torch.contiguous_format)
+        if precompute and grad_flags & 2
+        else x.new_empty(0)
+    )
+    return nll, lse, torch.empty_like(lse), gx, gw
 
 
 @torch.library.custom_op("lck::vp_flsce_bwd", mutates_args=())
@@ -186,7 +319,8 @@ def _vp_flsce_bwd(
     need_grad_x: bool,
     need_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weight_shard); an empty tensor for one not needed. Collective iff ``need_grad_x``."""
+    """(grad_x, grad_weight_shard) for per-token upstream gradients, recomputing each chunk's logits from
+    the saved global LSE/entropy; an empty tensor for one not needed. Collective iff ``need_grad_x``."""
     tp = TPGroup.resolve(OP, group_name)
     x2 = rows_view(OP, "x", x)
     t = target.reshape(-1)
@@ -194,47 +328,38 @@ def _vp_flsce_bwd(
     local_vocab = weight.shape[0]
     flat = [None if g is None else g.reshape(-1).float() for g in (grad_nll, grad_lse, grad_entropy)]
     lse1, ent1 = lse.reshape(-1).contiguous(), entropy.reshape(-1).contiguous()
-    grad_x = torch.empty(tokens, hidden, device=x.device, dtype=x.dtype) if need_grad_x else None
-    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_grad_weight else None
+    gx = torch.empty(tokens, hidden, device=x.device, dtype=x.dtype) if need_grad_x else None
+    gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_grad_weight else None
     rows = chunk_rows(tokens, local_vocab, x.element_size(), chunk_bytes)
     buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
     for a in range(0, tokens, rows):
         b = min(tokens, a + rows)
         x_c = x2[a:b]
         logits = torch.mm(x_c, weight.t(), out=buf[: b - a])
-        g_nll, g_lse, g_ent = (None if g is None else g[a:b] for g in flat)
-        K.shard_grad(
+        gs = tuple(None if g is None else g[a:b] for g in flat)
+        g_rows = gx[a:b] if gx is not None else None
+        _chunk_grads(
+            tp,
             logits,
-            logits,
+            x_c,
+            weight,
             t[a:b],
             lse1[a:b],
             ent1[a:b],
-            g_loss=g_nll,
-            g_lse=g_lse,
-            g_entropy=g_ent,
-            vocab_start=tp.rank * local_vocab,
-            vocab_size=tp.size * local_vocab,
-            scale=inverse_temperature,
-            ignore_index=ignore_index,
+            gs,
+            g_rows,
+            gw,
+            a == 0,
+            local_vocab,
+            inverse_temperature,
+            ignore_index,
         )
-        if grad_x is not None:
-            torch.mm(logits, weight, out=grad_x[a:b])
-        if grad_w is not None:
-            if a == 0:
-                torch.mm(logits.t(), x_c, out=grad_w)
-            else:
-                grad_w.addmm_(logits.t(), x_c)
     del buf
-    if grad_w is not None and tokens == 0:
-        grad_w.zero_()
-    if grad_x is not None:
-        # Each rank holds the contribution of its vocabulary shard; the gradient is their sum. fp32 on the
-        # wire (the context's scratch is fp32; summing bf16 partials would add a rounding step).
-        partial = grad_x if grad_x.dtype == torch.float32 else grad_x.float()
-        tp.all_reduce_(partial, "sum")
-        grad_x = (partial if partial.dtype == x.dtype else partial.to(x.dtype)).view(x.shape)
-    empty = x.new_empty(0)
-    return (grad_x if grad_x is not None else empty), (grad_w if grad_w is not None else empty)
+    if gw is not None and tokens == 0:
+        gw.zero_()
+    if gx is not None:
+        gx = _sum_grad_x(tp, gx, x)
+    return (gx if gx is not None else x.new_empty(0)), (gw if gw is not None else x.new_empty(0))
 
 
 @_vp_flsce_bwd.register_fake
@@ -263,23 +388,61 @@ def _(
     return gx, gw
 
 
+@torch.library.custom_op("lck::vp_scale_", mutates_args=("t",))
+def _vp_scale_(t: torch.Tensor, s: torch.Tensor) -> None:
+    """``t *= s`` (``s`` a one-element tensor) in place; no pass over ``t`` when ``s == 1``."""
+    K.scale_(t, s.reshape(1).float())
+
+
+@_vp_scale_.register_fake
+def _(t, s):
+    return None
+
+
 def _setup_context(ctx, inputs, output):
-    x, weight, target, group_name, inverse_temperature, ignore_index, chunk_bytes, _ = inputs
-    _, lse, entropy = output
-    ctx.save_for_backward(x, weight, target, lse, entropy)
-    ctx.options = (group_name, inverse_temperature, ignore_index, chunk_bytes)
+    x, weight, target, group_name, tau, ignore_index, chunk_bytes, grad_flags, reduction = inputs
+    _, lse, entropy, gx_pre, gw_pre = output
+    ctx.save_for_backward(x, weight, target, lse, entropy, gx_pre, gw_pre)
+    ctx.options = (group_name, tau, ignore_index, chunk_bytes)
+    ctx.reduction, ctx.grad_flags, ctx.ignore_index = reduction, grad_flags, ignore_index
+    ctx.mark_non_differentiable(gx_pre, gw_pre)
     ctx.set_materialize_grads(False)  # an unused output (say, the entropy) costs nothing in backward
 
 
-def _backward(ctx, grad_nll, grad_lse, grad_entropy):
-    x, weight, target, lse, entropy = ctx.saved_tensors
+def _scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``t · s`` for a gradient prepared in the forward. Eager: in place, with no pass when ``s == 1``
+    (decided on the device); a second backward through the graph then fails autograd's saved-tensor
+    version check instead of scaling twice. Traced (AOT autograd, torch.compile), where mutating a forward
+    output inside the backward graph cannot be partitioned: out of place."""
+    if type(t) is torch.Tensor and type(s) is torch.Tensor:
+        _vp_scale_(t, s)
+        return t
+    return t * s
+
+
+def _backward(ctx, grad_nll, grad_lse, grad_entropy, _gx_pre, _gw_pre):
+    x, weight, target, lse, entropy, gx_pre, gw_pre = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    nones = (None,) * 7
     if not (need_x or need_w):
-        return None, None, None, None, None, None, None, None
-    gx, gw = _vp_flsce_bwd(
-        grad_nll, grad_lse, grad_entropy, x, weight, target, lse, entropy, *ctx.options, need_x, need_w
-    )
-    return (gx if need_x else None), (gw if need_w else None), None, None, None, None, None, None
+        return (None, None, *nones)
+    gx = gw = None
+    if ctx.reduction != 0 and grad_nll is not None:
+        covered = (not need_x or ctx.grad_flags & 1) and (not need_w or ctx.grad_flags & 2)
+        if covered:  # the forward prepared d(reduced nll)/d(x, W): scale by the upstream scalar
+            gx = _scaled(gx_pre, grad_nll) if need_x else None
+            gw = _scaled(gw_pre, grad_nll) if need_w else None
+            grad_nll = None
+        else:  # not prepared for every input that needs it: recompute, per token
+            per_token = grad_nll if ctx.reduction == 1 else grad_nll / (target != ctx.ignore_index).sum()
+            grad_nll = per_token.expand(target.shape)
+    if grad_nll is not None or grad_lse is not None or grad_entropy is not None:
+        rx, rw = _vp_flsce_bwd(
+            grad_nll, grad_lse, grad_entropy, x, weight, target, lse, entropy, *ctx.options, need_x, need_w
+        )
+        gx = rx if gx is None else gx + rx
+        gw = rw if gw is None else gw + rw
+    return (gx if need_x else None), (gw if need_w else None), *nones
 
 
 _vp_flsce_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -314,7 +477,9 @@ def vocab_parallel_fused_linear_scaled_cross_entropy(
         ignore_index: targets equal to it give nll = lse = entropy = 0 and no gradient.
         return_entropy: also return the per-token entropy.
         reduction: applied to the NLL only: ``"none"`` (per token, shaped like ``target``), ``"sum"``, or
-            ``"mean"`` over non-ignored tokens. lse and entropy stay per token.
+            ``"mean"`` over non-ignored tokens (NaN when all are ignored, as torch). lse and entropy stay per
+            token. ``"sum"``/``"mean"`` compute the NLL gradient during the forward (three GEMMs in all
+            instead of four; see the module docstring).
         chunk_bytes: logits working-set budget per chunk (default 256 MiB).
 
     Returns ``(nll, lse)`` or ``(nll, lse, entropy)``: float32; all differentiable w.r.t. ``x`` and
@@ -326,13 +491,13 @@ def vocab_parallel_fused_linear_scaled_cross_entropy(
     configured capacities, before any kernel runs.
     """
     name = group_name_of(OP, group)
-    check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))
+    check_choice(OP, "reduction", reduction, REDUCTIONS)
     for arg, value in (("x", x), ("weight_shard", weight_shard), ("target", target)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{OP}: {arg} must be a torch.Tensor, got {type(value).__name__}")
     grad_on = torch.is_grad_enabled()
     flags = int(grad_on and x.requires_grad) | (int(grad_on and weight_shard.requires_grad) << 1)
-    nll, lse, entropy = _vp_flsce_fwd(
+    nll, lse, entropy, _, _ = _vp_flsce_fwd(
         x,
         weight_shard,
         target,
@@ -341,11 +506,8 @@ def vocab_parallel_fused_linear_scaled_cross_entropy(
         int(ignore_index),
         int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
         flags,
+        REDUCTIONS.index(reduction),
     )
-    if reduction == "sum":
-        nll = nll.sum()
-    elif reduction == "mean":
-        nll = nll.sum() / (target != ignore_index).sum()
     return (nll, lse, entropy) if return_entropy else (nll, lse)
 
 
@@ -363,7 +525,7 @@ class LckVocabParallelFusedLinearScaledCrossEntropy(torch.nn.Module):
         chunk_bytes: int | None = None,
     ) -> None:
         super().__init__()
-        check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))
+        check_choice(OP, "reduction", reduction, REDUCTIONS)
         self.group = group
         self.options = dict(
             inverse_temperature=inverse_temperature,
