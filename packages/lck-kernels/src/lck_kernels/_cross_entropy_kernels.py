@@ -48,9 +48,6 @@ import triton.language as tl
 
 from lck_kernels._common import next_power_of_2, num_sms, tuned
 
-# Start of the running maximum: finite, so a tile of -inf logits never computes (-inf) - (-inf).
-_M_FLOOR: tl.constexpr = tl.constexpr(-3.0e38)
-
 
 @triton.jit
 def _tanh(x):
@@ -94,7 +91,9 @@ def _ce_row_stats(
     # One block-wide reduction per tile (the maximum): the exp sums stay per lane until the end of the
     # row, rescaled by a per-tile scalar. The smoothing sum is reduced per tile instead: a third per-lane
     # accumulator would spill registers at 32 warps.
-    m = tl.full((), _M_FLOOR, tl.float32)
+    # A finite start (not -inf), so a tile of -inf logits never computes (-inf) - (-inf). A literal rather
+    # than a module constant: Inductor recompiles user kernels from source, globals included or not.
+    m = tl.full((), -3.0e38, tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((), tl.float32)
