@@ -4,6 +4,8 @@ compile. CPU runs use ``TRITON_INTERPRET=1`` at small sizes; ``gpu`` parameters 
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ def check(a, b, dc):
 
 
 CPU_SHAPES = [(1, 1), (7, 33), (2, 3, 64), (3, 5120), (1, 4099)]
-GPU_SHAPES = [(8192, 4096), (8192, 14336), (2048, 4, 4096), (1, 5120), (333, 11008), (8192, 32768)]
+GPU_SHAPES = [(8192, 4096), (2048, 4, 4096), (1, 5120), (333, 11008), (512, 32768)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -54,7 +56,7 @@ GPU_SHAPES = [(8192, 4096), (8192, 14336), (2048, 4, 4096), (1, 5120), (333, 110
     "shape", [*CPU_SHAPES, *(pytest.param(s, marks=gpu, id=f"gpu-{s}") for s in GPU_SHAPES)], ids=str
 )
 def test_matches_float64_reference(shape, dtype, poisoned):
-    torch.manual_seed(hash((shape, str(dtype))) % 2**31)
+    torch.manual_seed(zlib.crc32(repr((shape, str(dtype))).encode()))
     a = torch.randn(shape, device=DEVICE, dtype=dtype) * 3
     b = torch.randn(shape, device=DEVICE, dtype=dtype)
     check(a, b, torch.randn(shape, device=DEVICE, dtype=dtype))
