@@ -1,48 +1,50 @@
 """lck-kernels: Triton kernels with autograd, ``torch.library`` ops and ``nn.Module`` wrappers.
 
-Public names are imported lazily (PEP 562): ``import lck_kernels`` stays cheap and does not compile or
-import Triton until an op is used, which matters for ``lck`` CLI start-up and for code that must set
-``TRITON_INTERPRET`` before Triton is imported.
+Importing this package imports Triton and defines the kernels: set ``TRITON_INTERPRET=1`` before the
+import to run them on CPU tensors through Triton's interpreter.
 """
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+
+# Submodules share their op's name (`lck_kernels.rms_norm` holds `rms_norm`): the imports below bind
+# the functions after the submodules, so the package attribute is the function, not the module.
+from lck_kernels.cross_entropy import LckCrossEntropyLoss, cross_entropy
+from lck_kernels.fused_linear_cross_entropy import LckFusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from lck_kernels.fused_linear_scaled_cross_entropy import (
+    LckFusedLinearScaledCrossEntropy,
+    fused_linear_scaled_cross_entropy,
+)
+from lck_kernels.rms_norm import LckRMSNorm, rms_norm
+from lck_kernels.swiglu import LckSwiGLUMLP, swiglu
+from lck_kernels.swiglu_packed import swiglu_packed
+from lck_kernels.vocab_parallel_cross_entropy import LckVocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import (
+    LckVocabParallelFusedLinearScaledCrossEntropy,
+    vocab_parallel_fused_linear_scaled_cross_entropy,
+)
 
 try:
     __version__ = version("lck-kernels")
 except PackageNotFoundError:  # running from a source tree on PYTHONPATH (GPU runners)
     __version__ = "0.1.0"
 
-# public name -> defining module
-_EXPORTS = {
-    "rms_norm": "rms_norm",
-    "LckRMSNorm": "rms_norm",
-    "swiglu": "swiglu",
-    "LckSwiGLUMLP": "swiglu",
-    "swiglu_packed": "swiglu_packed",
-    "cross_entropy": "cross_entropy",
-    "LckCrossEntropyLoss": "cross_entropy",
-    "fused_linear_cross_entropy": "fused_linear_cross_entropy",
-    "LckFusedLinearCrossEntropyLoss": "fused_linear_cross_entropy",
-    "fused_linear_scaled_cross_entropy": "fused_linear_scaled_cross_entropy",
-    "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy",
-    "vocab_parallel_fused_linear_scaled_cross_entropy": "vocab_parallel_fused_linear_scaled_cross_entropy",
-}
-
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lck_kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lck_kernels.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__all__ = [
+    "LckCrossEntropyLoss",
+    "LckFusedLinearCrossEntropyLoss",
+    "LckFusedLinearScaledCrossEntropy",
+    "LckRMSNorm",
+    "LckSwiGLUMLP",
+    "LckVocabParallelCrossEntropy",
+    "LckVocabParallelFusedLinearScaledCrossEntropy",
+    "__version__",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "fused_linear_scaled_cross_entropy",
+    "rms_norm",
+    "swiglu",
+    "swiglu_packed",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_fused_linear_scaled_cross_entropy",
+]
