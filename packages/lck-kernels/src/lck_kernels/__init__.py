@@ -19,7 +19,10 @@ from lck_kernels.fused_linear_scaled_cross_entropy import (
 from lck_kernels.rms_norm import LckRMSNorm, rms_norm
 from lck_kernels.swiglu import LckSwiGLUMLP, swiglu
 from lck_kernels.swiglu_packed import swiglu_packed
-from lck_kernels.vocab_parallel_cross_entropy import LckVocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from lck_kernels.vocab_parallel_cross_entropy import (
+    LckVocabParallelCrossEntropy,
+    vocab_parallel_cross_entropy,
+)
 from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import (
     LckVocabParallelFusedLinearScaledCrossEntropy,
     vocab_parallel_fused_linear_scaled_cross_entropy,
