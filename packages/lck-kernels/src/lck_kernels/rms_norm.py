@@ -5,11 +5,12 @@ formed in fp32):
 
 - ``"llama"`` (Hugging Face Llama): normalise in fp32, round the normalised row to ``x.dtype``, multiply by
   ``offset + weight`` in fp32, round the product to ``x.dtype``. With a weight in ``x.dtype`` and no
-  offset this is bit-for-bit the HF computation ``weight * (x.float() * rstd).to(x.dtype)``.
+  offset this is the HF computation ``weight * (x.float() * rstd).to(x.dtype)`` (up to fp32 summation order).
 - ``"gemma"`` (Hugging Face Gemma): everything in fp32, one rounding of the final product to ``x.dtype``:
   ``(x.float() * rstd * (offset + weight.float())).to(x.dtype)``.
-- ``"none"``: what eager torch does with every tensor in ``x.dtype``: ``rstd``, the normalised row,
-  ``offset + weight`` and the product are each rounded to ``x.dtype``.
+- ``"none"``: no upcast of the elementwise steps, as eager code with every tensor in ``x.dtype``: ``rstd``
+  (from the fp32 mean square), the normalised row, ``offset + weight`` and the product are each rounded to
+  ``x.dtype``.
 
 The output has ``x``'s dtype and shape (any rank ≥ 1; leading dimensions are rows). The backward is the
 exact gradient of the unrounded function, computed in fp32 from ``x`` and the ``rstd`` saved by the forward,
@@ -20,7 +21,7 @@ second from L2), the backward splits into a row-dot kernel and a column-tiled ``
 
 ``in_place=True`` writes ``dx`` into ``dy``'s buffer in the backward (no new activation-sized allocation).
 Only use it when nothing else reads that gradient: a residual ``x + norm(x)`` hands the same gradient tensor
-to both branches, and overwriting it corrupts the other branch's gradient.
+to both branches, and overwriting it can corrupt the other branch's gradient.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ from lck_kernels._common import (
     warps_for,
 )
 
-CASTING_MODES = ("llama", "gemma", "none")
-_LLAMA, _GEMMA, _NONE = 0, 1, 2
+CASTING_MODES = ("llama", "gemma", "none")  # the kernels' CASTING constexpr is the index: 0, 1, 2
 # Widest row one program holds in registers; wider rows are tiled.
 MAX_BLOCK = 16384
 
