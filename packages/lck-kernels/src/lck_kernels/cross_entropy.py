@@ -29,7 +29,8 @@ logits is ever made (256k vocabularies are tiled), no host sync happens, and all
 
 ``in_place=True`` overwrites ``logits`` with the gradient during the forward: use it only when nothing else
 reads ``logits`` afterwards (autograd raises if an op saved them for its backward, because the op bumps
-their version counter). It saves a ``[tokens, vocab]`` buffer. Under ``torch.compile`` use the default.
+their version counter). It saves a ``[tokens, vocab]`` buffer in eager mode; under ``torch.compile`` it
+stays correct, but functionalisation may copy the buffer, so the saving is not guaranteed there.
 
 Ops: ``lck::cross_entropy_fwd``, ``lck::cross_entropy_fwd_`` (in place) and ``lck::cross_entropy_rescale_``
 (the backward), registered as ``triton_op`` on GPUs so ``torch.compile(fullgraph=True)`` traces them.
