@@ -86,7 +86,7 @@ class _Block(nn.Module):
         self.proj = nn.Linear(h, h, bias=False)
         self.mlp_norm = _norm(h, use_lck)
         if use_lck:
-            from lck_kernels import LckSwiGLUMLP
+            from lck_kernels.swiglu import LckSwiGLUMLP
 
             self.mlp = LckSwiGLUMLP(h, shape.ffn, bias=False)
         else:
@@ -104,7 +104,7 @@ class _Block(nn.Module):
 
 def _norm(hidden: int, use_lck: bool) -> nn.Module:
     if use_lck:
-        from lck_kernels import LckRMSNorm
+        from lck_kernels.rms_norm import LckRMSNorm
 
         return LckRMSNorm(hidden, eps=1e-5)  # "llama" casting: torch.nn.RMSNorm's numerics
     return nn.RMSNorm(hidden, eps=1e-5)
@@ -139,7 +139,7 @@ class TinyGPT(nn.Module):
             x = block(x)
         logits = self.head(self.final_norm(x)).reshape(-1, self.shape.vocab)
         if self.use_lck:
-            from lck_kernels import cross_entropy
+            from lck_kernels.cross_entropy import cross_entropy
 
             return cross_entropy(logits, labels.reshape(-1)).float()
         return F.cross_entropy(logits.float(), labels.reshape(-1))
