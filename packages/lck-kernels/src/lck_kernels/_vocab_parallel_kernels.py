@@ -2,20 +2,21 @@
 
 Each rank of a tensor-parallel group holds a contiguous vocabulary shard ``[vocab_start, vocab_start +
 n_cols)`` of every row's logits ``z = scale · logits``. The per-row quantities of the whole-vocabulary
-softmax decompose over shards, so three kernels suffice:
+softmax decompose over shards. The row passes are the single-GPU cross entropy's building blocks
+(``_cross_entropy_kernels._ce_row_stats`` / ``_ce_row_grad``, which take a shard-local target index, and
+their tuned launch configurations); this module adds what the group needs around them:
 
-1. ``_vp_shard_stats_kernel`` — one pass over a row of the shard: the local maximum ``m``, ``s = Σ
-   exp(z − m)``, ``q = Σ exp(z − m)·z`` (for the entropy), ``Σ z`` (for label smoothing) and the target
-   logit if the target falls in this shard (else 0). It writes these five numbers into slot ``rank`` of a
-   ``[rows, tp, 5]`` float32 buffer whose other slots are zero, so a *sum* all-reduce over the group is an
-   exact all-gather (``x + 0 = x`` in any order): one collective per call instead of a max then a sum.
+1. ``_vp_shard_stats_kernel`` — per row of the shard: the local maximum ``m``, ``s = Σ exp(z − m)``,
+   ``q = Σ exp(z − m)·z`` (entropy), ``Σ z`` (label smoothing) and the target logit if the target falls in
+   this shard (else 0), written into slot ``rank`` of a ``[rows, tp, 5]`` float32 buffer whose other slots
+   are zero, so a *sum* all-reduce over the group is an exact all-gather (``x + 0 = x`` in any order): one
+   collective per call instead of a max then a sum.
 2. ``_vp_combine_kernel`` — per row, merges the ``tp`` gathered slots (rescaling each shard's sums to
    the global maximum) into the global log-sum-exp, the NLL / label-smoothed loss and the entropy.
 3. ``_vp_shard_grad_kernel`` — given the global LSE (and entropy) of each row and the upstream gradients
    of the per-row outputs, writes ``d(loss)/d(logits)`` of the shard; it may write in place over the logits.
 
 ``_vp_scale_kernel`` scales a gradient prepared in the forward by the upstream scalar (no pass at 1.0).
-
 ``_vp_target_digest_kernel`` summarises a target vector (min and max of the non-ignored targets and a
 position-weighted hash) so the ops can check, in the same collective that checks shapes, that every rank
 holds the same targets inside the vocabulary. All row offsets are int64 (rows × vocabulary passes 2^31).
@@ -27,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lck_kernels._common import next_power_of_2, row_block, tuned, warps_for
+from lck_kernels._common import next_power_of_2, tuned
+from lck_kernels._cross_entropy_kernels import _ce_row_grad, _ce_row_stats, ce_launch_config
 
 STATS = 5  # m, s, q, sum_z, target_z per (row, shard)
 _M, _S, _Q, _SZ, _ZT = range(STATS)
@@ -45,6 +47,7 @@ def _vp_shard_stats_kernel(
     z_row_stride,
     target_ptr,
     stats_ptr,
+    n_rows,
     n_cols,
     vocab_start,
     scale,
@@ -52,38 +55,29 @@ def _vp_shard_stats_kernel(
     slot,
     tp,
     BLOCK: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * z_row_stride
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    q = tl.zeros((), tl.float32)
-    sz = tl.zeros((), tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * scale
-        m_new = tl.maximum(m, tl.max(z, 0))
-        # A row (or its first tiles) of -inf logits must not turn the running sums into NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp(z - m_ref)
-        alpha = tl.exp(m - m_ref)
-        finite = z > float("-inf")
-        s = s * alpha + tl.sum(e, 0)
-        q = q * alpha + tl.sum(tl.where(finite, e * z, 0.0), 0)
-        sz += tl.sum(tl.where(mask, z, 0.0), 0)
-        m = m_new
-    t = tl.load(target_ptr + row).to(tl.int64)
-    local = t - vocab_start
-    mine = (t != ignore_index) & (local >= 0) & (local < n_cols)
-    zt = tl.load(z_row + tl.where(mine, local, 0), mask=mine, other=0.0).to(tl.float32) * scale
-    zt = tl.where(mine, zt, 0.0)
-    out = stats_ptr + (row * tp + slot) * 5
-    tl.store(out + 0, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, q)
-    tl.store(out + 3, sz)
-    tl.store(out + 4, zt)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        t = tl.load(target_ptr + row64).to(tl.int64)
+        local = t - vocab_start
+        mine = (t != ignore_index) & (local >= 0) & (local < n_cols)
+        m, s, q, sz, zt = _ce_row_stats(
+            z_ptr + row64 * z_row_stride, n_cols, tl.where(mine, local, -1), z_ptr, scale, 1.0,
+            BLOCK, False, SMOOTH, False, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+        )  # fmt: skip
+        out = stats_ptr + (row64 * tp + slot) * 5
+        tl.store(out + 0, m)
+        tl.store(out + 1, s)
+        tl.store(out + 2, q)
+        tl.store(out + 3, sz)
+        tl.store(out + 4, zt)
 
 
 @triton.jit
@@ -143,6 +137,7 @@ def _vp_shard_grad_kernel(
     g_lse_stride,
     g_ent_ptr,
     g_ent_stride,
+    n_rows,
     n_cols,
     vocab_start,
     scale,
@@ -152,40 +147,40 @@ def _vp_shard_grad_kernel(
     HAS_G_LOSS: tl.constexpr,
     HAS_G_LSE: tl.constexpr,
     HAS_G_ENT: tl.constexpr,
+    SMOOTH: tl.constexpr,
     BLOCK: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.load(target_ptr + row).to(tl.int64)
-    valid = t != ignore_index
-    lse = tl.load(lse_ptr + row)
-    g_loss = tl.zeros((), tl.float32)
-    g_lse = tl.zeros((), tl.float32)
-    g_ent = tl.zeros((), tl.float32)
-    mean_z = tl.zeros((), tl.float32)
-    if HAS_G_LOSS:
-        g_loss = tl.load(g_loss_ptr + row * g_loss_stride).to(tl.float32)
-    if HAS_G_LSE:
-        g_lse = tl.load(g_lse_ptr + row * g_lse_stride).to(tl.float32)
-    if HAS_G_ENT:
-        g_ent = tl.load(g_ent_ptr + row * g_ent_stride).to(tl.float32)
-        mean_z = lse - tl.load(entropy_ptr + row)  # E_p[z] = lse - entropy
-    local = t - vocab_start
-    z_row = z_ptr + row * z_row_stride
-    dz_row = dz_ptr + row * dz_row_stride
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32) * scale
-        p = tl.exp(z - lse)
-        # d loss / dz = p - (1 - eps)·onehot - eps / V;  d lse / dz = p;  d entropy / dz = -p (z - E_p[z]).
-        d = g_loss * (p - tl.where(cols == local, smooth_keep, 0.0) - smooth_each)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        t = tl.load(target_ptr + row64).to(tl.int64)
+        valid = t != ignore_index
+        local = t - vocab_start
+        t_local = tl.where(valid & (local >= 0) & (local < n_cols), local, -1)
+        # Ignored rows carry lse = 0; an infinite lse makes every p (and so every term) exactly 0 there.
+        lse = tl.where(valid, tl.load(lse_ptr + row64), float("inf"))
+        g = tl.zeros((), tl.float32)
+        gl = tl.zeros((), tl.float32)
+        ge = tl.zeros((), tl.float32)
+        ez = tl.zeros((), tl.float32)
+        if HAS_G_LOSS:
+            g = tl.where(valid, tl.load(g_loss_ptr + row64 * g_loss_stride).to(tl.float32), 0.0)
         if HAS_G_LSE:
-            d += g_lse * p
+            gl = tl.where(valid, tl.load(g_lse_ptr + row64 * g_lse_stride).to(tl.float32), 0.0)
         if HAS_G_ENT:
-            d -= g_ent * p * (z - mean_z)
-        # Ignored rows: lse was stored as 0 there, so p may be inf/NaN; select 0 regardless.
-        d = tl.where(valid, d * scale, 0.0)
-        tl.store(dz_row + cols, d.to(dz_ptr.dtype.element_ty), mask=mask)
+            ge = tl.where(valid, tl.load(g_ent_ptr + row64 * g_ent_stride).to(tl.float32), 0.0)
+            ez = lse - tl.load(entropy_ptr + row64)  # E_p[z] = lse - entropy
+        # d/dz of g·loss + gl·lse + ge·entropy, in _ce_row_grad's form
+        # A·p − B·[c = t] − C + E·p·(E_p[z] − z) with loss = (1−eps)(lse − z_t) + eps·(lse − Σz / V):
+        # A = g + gl, B = g·(1 − eps), C = g·eps / V, E = ge.
+        _ce_row_grad(
+            z_ptr + row64 * z_row_stride, dz_ptr + row64 * dz_row_stride, n_cols, t_local, z_ptr, scale, 1.0,
+            lse, ez, g + gl, g * smooth_keep, g * smooth_each, ge,
+            BLOCK, False, SMOOTH, False, HAS_G_ENT, EVICT, NUM_STAGES,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -231,11 +226,6 @@ def _vp_scale_kernel(t_ptr, n, s_ptr, BLOCK: tl.constexpr):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _row_launch(kernel: str, n_cols: int, element_size: int) -> dict[str, int]:
-    block = row_block(n_cols, 4096)
-    return tuned(kernel, {"BLOCK": block, "num_warps": warps_for(block, element_size, lo=4, hi=16)})
-
-
 def shard_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -245,17 +235,22 @@ def shard_stats(
     scale: float,
     ignore_index: int,
     slot: int,
+    smoothing: bool = False,
+    entropy: bool = True,
 ) -> None:
-    """Write each row's shard statistics into ``stats[:, slot, :]`` (``stats``: ``[rows, tp, 5]`` fp32)."""
+    """Write each row's shard statistics into ``stats[:, slot, :]`` (``stats``: ``[rows, tp, 5]`` fp32).
+
+    ``smoothing`` / ``entropy`` switch the ``Σ z`` and ``q`` sums on (each costs a little per element)."""
     rows, n_cols = logits.shape
     if rows == 0:
         return
-    cfg = _row_launch("vp_shard_stats", n_cols, logits.element_size())
-    _vp_shard_stats_kernel[(rows,)](
+    cfg = ce_launch_config("cross_entropy_fwd", rows, n_cols, logits.element_size(), logits.device)
+    _vp_shard_stats_kernel[cfg["grid"]](
         logits,
         logits.stride(0),
         target,
         stats,
+        rows,
         n_cols,
         vocab_start,
         float(scale),
@@ -263,6 +258,11 @@ def shard_stats(
         slot,
         stats.shape[1],
         BLOCK=cfg["BLOCK"],
+        SMOOTH=smoothing,
+        ENTROPY=entropy,
+        EVICT=False,
+        NUM_STAGES=cfg["NUM_STAGES"],
+        PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"],
     )
 
@@ -335,8 +335,8 @@ def shard_grad(
     gl, gl_s = _row_grad_arg(g_loss, lse)
     gs, gs_s = _row_grad_arg(g_lse, lse)
     ge, ge_s = _row_grad_arg(g_entropy, lse)
-    cfg = _row_launch("vp_shard_grad", n_cols, logits.element_size())
-    _vp_shard_grad_kernel[(rows,)](
+    cfg = ce_launch_config("cross_entropy_bwd", rows, n_cols, logits.element_size(), logits.device)
+    _vp_shard_grad_kernel[cfg["grid"]](
         logits,
         logits.stride(0),
         out,
@@ -350,6 +350,7 @@ def shard_grad(
         gs_s,
         ge,
         ge_s,
+        rows,
         n_cols,
         vocab_start,
         float(scale),
@@ -359,7 +360,10 @@ def shard_grad(
         HAS_G_LOSS=g_loss is not None,
         HAS_G_LSE=g_lse is not None,
         HAS_G_ENT=g_entropy is not None,
+        SMOOTH=label_smoothing > 0.0,
         BLOCK=cfg["BLOCK"],
+        EVICT=cfg["EVICT"],
+        NUM_STAGES=cfg["NUM_STAGES"],
         num_warps=cfg["num_warps"],
     )
 

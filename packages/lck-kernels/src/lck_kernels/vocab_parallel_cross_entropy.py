@@ -302,7 +302,15 @@ def _vp_cross_entropy_fwd(
     tp.check_capacity(tokens, local_vocab=local_vocab)
     stats = torch.zeros(tokens, tp.size, K.STATS, device=z.device, dtype=torch.float32)
     K.shard_stats(
-        z, t, stats, vocab_start=tp.rank * local_vocab, scale=1.0, ignore_index=ignore_index, slot=tp.rank
+        z,
+        t,
+        stats,
+        vocab_start=tp.rank * local_vocab,
+        scale=1.0,
+        ignore_index=ignore_index,
+        slot=tp.rank,
+        smoothing=label_smoothing > 0.0,
+        entropy=False,
     )
     tp.all_reduce_(stats.view(-1), "sum")
     loss, lse, _ = K.combine(
