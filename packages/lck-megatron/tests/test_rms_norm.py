@@ -43,10 +43,8 @@ def _check(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     ref.backward(dy.double())
     assert_close(y, _rms_ref(x.detach(), norm.weight.detach(), 1e-5, dtype), dtype, name="rms_norm forward")
     assert_close(x.grad, x64.grad, dtype, name="rms_norm input gradient")
-    n_rows = x.numel() // hidden
-    assert_close(
-        norm.weight.grad, w64.grad, dtype, name="rms_norm weight gradient", scale=max(1.0, n_rows / 64)
-    )
+    # The weight gradient sums over every row (float32 partials in lck): loosened for the long reduction.
+    assert_close(norm.weight.grad, w64.grad, dtype, name="rms_norm weight gradient", scale=4.0)
     # Same numbers as the torch module it replaces (to the dtype's tolerance).
     stock = torch.nn.RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
     stock.load_state_dict(norm.state_dict())
