@@ -129,3 +129,15 @@ def test_registered_ops():
         assert schema.startswith(f"lck::{name}("), schema
         # The in-place ops declare what they write, so functionalisation and opcheck see the mutation.
         assert ("!)" in schema) == name.endswith("_"), schema
+
+
+def test_public_names_are_the_ops():
+    """``lck_kernels.rms_norm`` etc. are the functions, even though their modules carry the same names."""
+    import types
+
+    import lck_kernels
+
+    for name in ("rms_norm", "swiglu", "swiglu_packed", "LckRMSNorm", "LckSwiGLUMLP"):
+        value = getattr(lck_kernels, name)
+        assert not isinstance(value, types.ModuleType) and callable(value), name
+        assert name in lck_kernels.__all__

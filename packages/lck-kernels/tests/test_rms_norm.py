@@ -12,10 +12,9 @@ import pytest
 import torch
 from _tolerances import assert_close, poison
 
+from lck_kernels import LckRMSNorm, rms_norm
 from lck_kernels._common import interpreting, tuning
-
-# From the defining module: ``lck_kernels.rms_norm`` is the submodule once it has been imported.
-from lck_kernels.rms_norm import MAX_BLOCK, LckRMSNorm, bwd_config, fwd_config, rms_norm
+from lck_kernels.rms_norm import MAX_BLOCK, bwd_config, fwd_config
 
 DEVICE = "cpu" if interpreting() else "cuda"
 pytestmark = pytest.mark.skipif(

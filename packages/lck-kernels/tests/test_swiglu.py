@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from _tolerances import assert_close, poison
 
+from lck_kernels import LckSwiGLUMLP, swiglu
 from lck_kernels._common import interpreting, tuning
-
-# From the defining module: ``lck_kernels.swiglu`` is the submodule once it has been imported.
-from lck_kernels.swiglu import LckSwiGLUMLP, elementwise_config, swiglu
+from lck_kernels.swiglu import elementwise_config
 
 DEVICE = "cpu" if interpreting() else "cuda"
 pytestmark = pytest.mark.skipif(

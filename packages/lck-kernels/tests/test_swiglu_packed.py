@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 from _tolerances import assert_close, poison
 
+from lck_kernels import swiglu_packed
 from lck_kernels._common import interpreting
-
-# From the defining module: ``lck_kernels.swiglu_packed`` is the submodule once it has been imported.
-from lck_kernels.swiglu_packed import swiglu_packed
 
 DEVICE = "cpu" if interpreting() else "cuda"
 pytestmark = pytest.mark.skipif(
