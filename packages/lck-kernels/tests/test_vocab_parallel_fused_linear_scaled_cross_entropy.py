@@ -98,6 +98,7 @@ def _case(
         "entropy": 0.5 * torch.randn(lead, generator=gen, dtype=torch.float64, device=device),
     }
 
+    _poison_cached_memory(device)
     xs = x.to(dtype).requires_grad_(x_grad)
     ws = w[rank * vs : (rank + 1) * vs].to(dtype).requires_grad_(w_grad)
     outs = flsce(
@@ -146,6 +147,17 @@ def _case(
             assert_close(ws.grad, ref_w, dtype, name=f"grad_weight_shard ({what})")
     else:
         assert ws.grad is None
+
+
+def _poison_cached_memory(device: str) -> None:
+    """On CUDA, leave NaN in the caching allocator's free memory: outputs the op allocates with
+    ``torch.empty`` then start as NaN, so an element a kernel never writes fails the comparison."""
+    if torch.device(device).type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    block = torch.empty(min(free // 4, 16 << 30) // 4, dtype=torch.float32, device=device)
+    block.fill_(float("nan"))
+    del block
 
 
 def _same_targets(vocab: int, n: int) -> torch.Tensor:
@@ -588,6 +600,9 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
     def cases() -> None:
         big = dict(hidden=4096, vocab=128256, dtype=torch.bfloat16, device=dev)
         _case(g, lead=(4096,), targets="some_ignored", tau=0.8, seed=1, **big)
+        _case(
+            g, lead=(2048,), reduction="sum", grads=("nll", "entropy"), seed=5, **big
+        )  # prepared + recompute
         # A chunk tail: 4096 + 77 tokens in chunks of 1024 rows.
         _case(g, lead=(4173,), chunk_bytes=1024 * 64128 * 2, reduction="mean", grads=("nll",), seed=2, **big)
         _case(
@@ -630,17 +645,39 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
         torch.testing.assert_close(out, eager)
         torch.testing.assert_close(gc, ge)
 
+    # A TP=1 partition (each rank alone) next to the TP=2 group: two contexts side by side.
+    singles = [dist.new_group([0]), dist.new_group([1])]
+    tp1 = singles[rank]
+
     def configured() -> bool:
         native = configure(
-            process_groups={"tp": g},
+            process_groups={"tp": g, "tp1": tp1},
             flsce=FusedLinearCrossEntropyConfig(
                 max_tokens=8192, hidden_size=4096, local_vocab_size=75968, group="tp"
             ),
         )
+        configure(
+            flsce=FusedLinearCrossEntropyConfig(
+                max_tokens=4096, hidden_size=4096, local_vocab_size=64000, group="tp1"
+            )
+        )
         try:
-            assert flsce_context(g).native == native
+            assert flsce_context(g).native == native and flsce_context(tp1).size == 1
             cases()
             compiled()
+            _case(
+                tp1, lead=(2048,), hidden=2048, vocab=64000, dtype=torch.bfloat16, device=dev, seed=10 + rank
+            )
+            _case(
+                g,
+                lead=(1024,),
+                hidden=2048,
+                vocab=64000,
+                dtype=torch.bfloat16,
+                reduction="sum",
+                device=dev,
+                seed=12,
+            )
             from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
 
             x = torch.randn(8193, 64, device=dev, dtype=torch.bfloat16)

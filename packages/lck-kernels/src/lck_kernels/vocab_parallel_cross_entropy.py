@@ -87,11 +87,14 @@ class TPGroup:
         return torch.device("cpu")
 
     def check_capacity(
-        self, tokens: int, *, hidden: int | None = None, local_vocab: int | None = None
+        self, op: str, tokens: int, *, hidden: int | None = None, local_vocab: int | None = None
     ) -> None:
         """Against the configured ``FusedLinearCrossEntropyConfig`` (same verdict on every rank once agreed)."""
         if self.ctx is not None:
-            self.ctx.check_tokens(tokens, hidden=hidden, local_vocab=local_vocab)
+            try:
+                self.ctx.check_tokens(tokens, hidden=hidden, local_vocab=local_vocab)
+            except ValueError as exc:
+                raise ValueError(f"{op}: {exc}") from None
 
     def all_reduce_(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """In-place sum/max of a contiguous float32 tensor across the group; returns ``t``.
@@ -273,6 +276,10 @@ def _vp_cross_entropy_fwd(
     error: BaseException | None = None
     try:
         z, t = _check_vocab_parallel_cross_entropy_inputs(logits, target, label_smoothing)
+        if tp.ctx is not None and logits.device != tp.ctx.device:
+            raise ValueError(
+                f"{OP}: logits_shard is on {logits.device} but lck_runtime.configure prepared {tp.ctx.device}"
+            )
     except (TypeError, ValueError) as exc:
         error, z, t = exc, None, None
     tokens, local_vocab = (z.shape[0], z.shape[1]) if z is not None else (0, 0)
@@ -299,7 +306,7 @@ def _vp_cross_entropy_fwd(
         device=tp.comm_device(logits),
     )
     assert z is not None and t is not None
-    tp.check_capacity(tokens, local_vocab=local_vocab)
+    tp.check_capacity(OP, tokens, local_vocab=local_vocab)
     stats = torch.zeros(tokens, tp.size, K.STATS, device=z.device, dtype=torch.float32)
     K.shard_stats(
         z,

@@ -135,7 +135,7 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
         device=tp.comm_device(x),
     )
     assert x2 is not None and t is not None
-    tp.check_capacity(tokens, hidden=hidden, local_vocab=local_vocab)
+    tp.check_capacity(OP, tokens, hidden=hidden, local_vocab=local_vocab)
     return x2, t, local_vocab
 
 
