@@ -298,8 +298,9 @@ def test_out_of_range_target_poisons_only_its_row():
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("shape", [(9, 77), pytest.param((8192, 128256), marks=gpu, id="gpu")], ids=str)
-def test_in_place_writes_the_gradient_into_logits(shape):
+def test_in_place_writes_the_gradient_into_logits(shape, reduction):
     n, v = shape
     dtype = torch.float32 if interpreting() else torch.bfloat16
     logits, target = make_case(n, v, dtype, seed=10)
@@ -307,8 +308,8 @@ def test_in_place_writes_the_gradient_into_logits(shape):
     for in_place in (False, True):
         leaf = logits.clone().requires_grad_(True)
         y = leaf * 1
-        loss = cross_entropy(y, target, in_place=in_place, label_smoothing=0.1)
-        loss.backward()
+        loss = cross_entropy(y, target, in_place=in_place, label_smoothing=0.1, reduction=reduction)
+        loss.backward(torch.ones_like(loss))
         if in_place:
             assert torch.equal(y.detach(), leaf.grad), "the logits buffer holds the gradient"
         grads[in_place] = leaf.grad
@@ -348,15 +349,28 @@ def test_second_backward_over_retained_graph_is_refused():
     x = logits.clone().requires_grad_(True)
     loss = cross_entropy(x, target, reduction="sum")
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="cross_entropy: the gradient computed in the forward"):
+    with pytest.raises(RuntimeError, match="cross_entropy: a buffer saved by the forward was modified"):
         loss.backward()
+
+
+def test_reduction_none_supports_a_retained_graph():
+    """Without in_place the per-row backward reads, never writes, what it saved: backward may run twice."""
+    logits, target = make_case(5, 30, torch.float32, seed=20)
+    x = logits.clone().requires_grad_(True)
+    loss = cross_entropy(x, target, reduction="none", label_smoothing=0.1)
+    g = torch.rand(5, device=DEVICE)
+    loss.backward(g, retain_graph=True)
+    first = x.grad.clone()
+    loss.backward(g)
+    assert_close(x.grad, 2 * first, torch.float32, name="accumulated grad")
 
 
 def test_no_grad_forward_skips_the_gradient():
     logits, target = make_case(6, 50, torch.float32, seed=14)
-    _, _, grad, applied = torch.ops.lck.cross_entropy_fwd(
+    _, _, lse, grad, applied = torch.ops.lck.cross_entropy_fwd(
         logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False
     )
+    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, name="lse")
     assert grad.numel() == 0 and applied.numel() == 0
     with torch.no_grad():
         a = cross_entropy(logits.clone().requires_grad_(True), target, reduction="none")
@@ -531,6 +545,12 @@ def test_opcheck(shape):
         ops.cross_entropy_rescale_.default, (grad, applied, torch.tensor(2.0, device=DEVICE))
     )
     torch.library.opcheck(ops.cross_entropy_rescale_.default, (grad, applied, torch.rand(n, device=DEVICE)))
+    lse = torch.logsumexp(logits, -1)
+    g = torch.rand(n, device=DEVICE)
+    torch.library.opcheck(ops.cross_entropy_bwd.default, (logits, target, w, lse, g, -100, 0.1, 1e-3, 5.0))
+    torch.library.opcheck(
+        ops.cross_entropy_bwd_.default, (logits.clone(), target, None, lse, g, -100, 0.0, 0.0, 0.0)
+    )
 
 
 # Under TRITON_INTERPRET the ops are opaque custom ops ("aot_eager" runs Dynamo + AOTAutograd + fake tensors

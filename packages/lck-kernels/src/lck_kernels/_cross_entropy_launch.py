@@ -226,3 +226,22 @@ def launch_rescale_flat(
         _kernel(k._rescale_kernel, wrap)[k.rescale_grid(t.numel(), block, t.device)](
             t, t.numel(), triton.cdiv(t.numel(), block), factor, BLOCK=block, num_warps=8
         )
+
+
+def finalize_loss(
+    ce: torch.Tensor, zl: torch.Tensor | None, red: torch.Tensor, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, z-loss) in float32 from per-row terms and the device-side denominators of ``red``."""
+    if reduction == "none":
+        if zl is None:
+            return ce, torch.zeros_like(ce)
+        return ce + zl, zl
+    if reduction == "sum":
+        total = ce.sum()
+        z = zl.sum() if zl is not None else torch.zeros_like(total)
+        return (total + z if zl is not None else total), z
+    total = ce.sum() / red[0]
+    if zl is None:
+        return total, torch.zeros_like(total)
+    z = zl.sum() / red[1]
+    return total + z, z

@@ -1,4 +1,4 @@
-"""Cross entropy over ``[tokens, vocab]`` logits, with the gradient computed in the forward.
+"""Cross entropy over ``[tokens, vocab]`` logits, with the gradient computed in the forward where that pays.
 
 ``cross_entropy(logits, target, ...)`` matches ``torch.nn.functional.cross_entropy`` on 2-D logits for
 ``weight``, ``ignore_index``, ``label_smoothing`` and ``reduction``, and adds a z-loss and a soft cap:
@@ -19,91 +19,54 @@
 - A target outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss and gradient NaN (checking
   it on the host would cost a device sync per call).
 
-How it is fast: when ``logits`` requires grad, one kernel reads each row twice (the second read hits L2)
-and writes both the loss and ``∂loss/∂logits`` (already normalised for ``mean``) into a new buffer, or into
-``logits`` itself with ``in_place=True``. The backward then only multiplies by the incoming gradient, on the
-device and in place: each gradient row remembers the factor applied so far, so the usual ``grad_output ==
-1`` exits at once (one launch instead of a pass over the gigabytes of logits), and a second backward over
-a retained graph is not applied twice. Without grad the forward reads the logits once. No fp32 copy of the
-logits is ever made (256k vocabularies are tiled), no host sync happens, and all row offsets are 64-bit.
+How it is fast. For ``reduction="sum"``/``"mean"`` (a scalar incoming gradient), when ``logits`` requires
+grad, one kernel reads each row twice (the second read hits L2) and writes both the loss and
+``∂loss/∂logits`` (already normalised for ``mean``) into a new buffer, or into ``logits`` itself with
+``in_place=True``. The backward then only multiplies by the incoming gradient, on the device and in place:
+each gradient row remembers the factor applied so far, so the usual ``grad_output == 1`` exits at once (one
+launch instead of a pass over the gigabytes of logits). For ``reduction="none"`` the incoming gradient has
+one value per row (masks, per-token weights), so computing the gradient in the forward would not save the
+backward's pass: the forward reads the logits once and keeps each row's lse, and the backward reads them
+again and writes the gradient (into ``logits`` with ``in_place=True``). Without grad the forward reads the
+logits once. No fp32 copy of the logits is ever made (256k vocabularies are tiled), no host sync happens,
+and all row offsets are 64-bit.
 
-``in_place=True`` overwrites ``logits`` with the gradient during the forward: use it only when nothing else
-reads ``logits`` afterwards (autograd raises if an op saved them for its backward, because the op bumps
-their version counter). It saves a ``[tokens, vocab]`` buffer in eager mode; under ``torch.compile`` it
-stays correct, but functionalisation may copy the buffer, so the saving is not guaranteed there.
+``in_place=True`` overwrites ``logits`` with the gradient (in the forward for sum/mean, in the backward for
+none): use it only when nothing else reads ``logits`` afterwards (autograd raises if an op saved them for its
+backward, because the ops bump their version counter). It saves a ``[tokens, vocab]`` buffer in eager
+mode; under ``torch.compile`` it stays correct, but functionalisation may copy the buffer, so the saving is
+not guaranteed there. A second backward over a retained graph raises where a saved buffer is updated in
+place (sum/mean, or ``in_place=True``).
 
-Ops: ``lck::cross_entropy_fwd``, ``lck::cross_entropy_fwd_`` (in place) and ``lck::cross_entropy_rescale_``
-(the backward), registered as ``triton_op`` on GPUs so ``torch.compile(fullgraph=True)`` traces them.
+Ops (``triton_op`` on GPUs, so ``torch.compile(fullgraph=True)`` traces into them): ``lck::cross_entropy_fwd``
+(loss, z-loss, lse and optionally the gradient), ``lck::cross_entropy_fwd_`` (gradient into the logits),
+``lck::cross_entropy_rescale_`` (the sum/mean backward), ``lck::cross_entropy_bwd`` and
+``lck::cross_entropy_bwd_`` (the ``none`` backward, into a new buffer or the logits).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lck_kernels._common import check_choice, check_same_device, check_tensor, define_op
-from lck_kernels._cross_entropy_launch import CEOptions, launch_fwd, launch_reduction, launch_rescale_rows
-
-REDUCTIONS = ("none", "sum", "mean")
-TARGET_DTYPES = (torch.int64, torch.int32)
-
+from lck_kernels._common import check_same_device, check_tensor, define_op
+from lck_kernels._cross_entropy_checks import (
+    check_class_weight,
+    check_loss_options,
+    check_target,
+    unpack_saved_gradient,
+)
+from lck_kernels._cross_entropy_launch import (
+    CEOptions,
+    finalize_loss,
+    launch_bwd,
+    launch_fwd,
+    launch_reduction,
+    launch_rescale_rows,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------------------
-
-
-def check_loss_options(
-    op: str,
-    *,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float | None,
-    reduction: str,
-) -> None:
-    """The scalar options shared by the cross-entropy ops."""
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
-    for name, value in (("label_smoothing", label_smoothing), ("lse_square_scale", lse_square_scale)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0.0):
-        raise ValueError(f"{op}: lse_square_scale must be finite and >= 0, got {lse_square_scale}")
-    if softcap is not None:
-        if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-            raise TypeError(f"{op}: softcap must be None or a float, got {type(softcap).__name__}")
-        if not (math.isfinite(softcap) and softcap > 0.0):
-            raise ValueError(f"{op}: softcap must be None or finite and > 0, got {softcap}")
-    check_choice(op, "reduction", reduction, REDUCTIONS)
-
-
-def check_target(op: str, target: torch.Tensor, rows: int, *, expected: str = "[tokens]") -> None:
-    check_tensor(op, "target", target, dtypes=TARGET_DTYPES, ndim=1)
-    if target.shape[0] != rows:
-        raise ValueError(
-            f"{op}: target has shape {tuple(target.shape)} but {expected} has {rows} rows; expected ({rows},)"
-        )
-    if target.shape[0] > 1 and target.stride(0) != 1:
-        raise ValueError(
-            f"{op}: target must be contiguous, got stride {target.stride(0)}; call .contiguous()"
-        )
-
-
-def check_class_weight(
-    op: str, name: str, weight: torch.Tensor | None, vocab: int, ref: torch.Tensor
-) -> None:
-    if weight is None:
-        return
-    check_tensor(op, name, weight, ndim=1, contiguous=True)
-    check_same_device(op, logits=ref, **{name: weight})
-    if weight.shape[0] != vocab:
-        raise ValueError(f"{op}: {name} has shape {tuple(weight.shape)}; expected ({vocab},), one per class")
-    if weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{op}: {name} must not require grad (its gradient is not computed, as in torch)")
 
 
 def _check_cross_entropy_inputs(
@@ -133,25 +96,6 @@ def _check_cross_entropy_inputs(
     )
 
 
-def finalize_loss(
-    ce: torch.Tensor, zl: torch.Tensor | None, red: torch.Tensor, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, z-loss) in float32 from per-row terms and the device-side denominators of ``red``."""
-    if reduction == "none":
-        if zl is None:
-            return ce, torch.zeros_like(ce)
-        return ce + zl, zl
-    if reduction == "sum":
-        total = ce.sum()
-        z = zl.sum() if zl is not None else torch.zeros_like(total)
-        return (total + z if zl is not None else total), z
-    total = ce.sum() / red[0]
-    if zl is None:
-        return total, torch.zeros_like(total)
-    z = zl.sum() / red[1]
-    return total + z, z
-
-
 # ---------------------------------------------------------------------------------------------------------
 # torch.library ops
 # ---------------------------------------------------------------------------------------------------------
@@ -172,7 +116,7 @@ def _forward(
         applied=applied if grad is not None else None, wrap=True,
     )  # fmt: skip
     loss, z = finalize_loss(ce, zl, red, reduction)
-    return loss, z, applied
+    return loss, z, lse, applied
 
 
 def _fwd_impl(
@@ -185,38 +129,50 @@ def _fwd_impl(
     softcap: float,
     reduction: str,
     compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
     _check_cross_entropy_inputs(
         "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
         softcap or None, reduction,
     )  # fmt: skip
     grad = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
-    loss, z, applied = _forward(
+    loss, z, lse, applied = _forward(
         logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
         grad if compute_grad else None,
     )  # fmt: skip
-    return loss, z, grad, applied
+    return loss, z, lse, grad, applied
 
 
-def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
-    return (logits.shape[0],) if reduction == "none" else ()
+def _loss_fakes(logits: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse) shapes: float32, 0-D or one per row; lse one per row."""
+    shape = (logits.shape[0],) if reduction == "none" else ()
+    f32 = torch.float32
+    return (
+        logits.new_empty(shape, dtype=f32),
+        logits.new_empty(shape, dtype=f32),
+        logits.new_empty((logits.shape[0],), dtype=f32),
+    )
 
 
 def _fwd_fake(
     logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, compute_grad
 ):
     n = logits.shape[0]
-    shape = _loss_shape(logits, reduction)
     return (
-        logits.new_empty(shape, dtype=torch.float32),
-        logits.new_empty(shape, dtype=torch.float32),
+        *_loss_fakes(logits, reduction),
         logits.new_empty(logits.shape if compute_grad else (0,)),
         logits.new_empty((n if compute_grad else 0,), dtype=torch.float32),
     )
 
 
 _cross_entropy_fwd = define_op("lck::cross_entropy_fwd", _fwd_impl, fake=_fwd_fake)
+
+
+def _check_overwritable(op: str, logits: torch.Tensor) -> None:
+    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
+        raise ValueError(
+            f"{op}: logits rows overlap (row stride {logits.stride(0)}); cannot write the gradient"
+        )
 
 
 def _fwd_inplace_impl(
@@ -228,24 +184,12 @@ def _fwd_inplace_impl(
     lse_square_scale: float,
     softcap: float,
     reduction: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, applied); ``logits`` is overwritten with the gradient."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, applied); ``logits`` is overwritten with the gradient."""
     op = "lck::cross_entropy_fwd_"
-    _check_cross_entropy_inputs(
-        op,
-        logits,
-        target,
-        weight,
-        ignore_index,
-        label_smoothing,
-        lse_square_scale,
-        softcap or None,
-        reduction,
-    )
-    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
-        raise ValueError(
-            f"{op}: logits rows overlap (row stride {logits.stride(0)}); cannot write the gradient"
-        )
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap or None, reduction)
+    _check_cross_entropy_inputs(op, logits, target, weight, *options)
+    _check_overwritable(op, logits)
     return _forward(
         logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, logits
     )
@@ -254,12 +198,7 @@ def _fwd_inplace_impl(
 def _fwd_inplace_fake(
     logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction
 ):
-    shape = _loss_shape(logits, reduction)
-    return (
-        logits.new_empty(shape, dtype=torch.float32),
-        logits.new_empty(shape, dtype=torch.float32),
-        logits.new_empty((logits.shape[0],), dtype=torch.float32),
-    )
+    return (*_loss_fakes(logits, reduction), logits.new_empty((logits.shape[0],), dtype=torch.float32))
 
 
 _cross_entropy_fwd_ = define_op(
@@ -292,28 +231,104 @@ _cross_entropy_rescale_ = define_op(
 )
 
 
+def _backward(
+    op,
+    logits,
+    grad,
+    target,
+    weight,
+    lse,
+    grad_output,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+):
+    _check_cross_entropy_inputs(
+        op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap or None, "none"
+    )
+    n, v = logits.shape
+    check_tensor(op, "lse", lse, dtypes=(torch.float32,), ndim=1)
+    check_tensor(op, "grad_output", grad_output, ndim=1)
+    if lse.shape[0] != n or grad_output.shape[0] != n:
+        raise ValueError(
+            f"{op}: lse {tuple(lse.shape)} and grad_output {tuple(grad_output.shape)} must have one value per "
+            f"row of logits {tuple(logits.shape)}"
+        )
+    red = launch_reduction(target, weight, v, ignore_index, mean=False, wrap=True)
+    launch_bwd(
+        logits, grad, target, weight, red, CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap),
+        lse=lse, entropy=None, g_loss=grad_output, g_lse=None, g_entropy=None, wrap=True,
+    )  # fmt: skip
+
+
+def _bwd_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_output: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``∂(Σ grad_output·loss)/∂logits`` for ``reduction="none"`` from the saved per-row lse."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _backward(
+        "lck::cross_entropy_bwd", logits, grad, target, weight, lse, grad_output, ignore_index, label_smoothing,
+        lse_square_scale, softcap,
+    )  # fmt: skip
+    return grad
+
+
+def _bwd_fake(
+    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
+):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+_cross_entropy_bwd = define_op("lck::cross_entropy_bwd", _bwd_impl, fake=_bwd_fake)
+
+
+def _bwd_inplace_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_output: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+) -> None:
+    """As ``lck::cross_entropy_bwd``, writing the gradient over ``logits``."""
+    op = "lck::cross_entropy_bwd_"
+    _check_overwritable(op, logits)
+    _backward(
+        op, logits, logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale,
+        softcap,
+    )  # fmt: skip
+
+
+def _bwd_inplace_fake(
+    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
+):
+    return None
+
+
+_cross_entropy_bwd_ = define_op(
+    "lck::cross_entropy_bwd_", _bwd_inplace_impl, mutates_args=("logits",), fake=_bwd_inplace_fake
+)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Autograd, functional API, module
 # ---------------------------------------------------------------------------------------------------------
 
 
-def unpack_saved_gradient(ctx, op: str) -> tuple[torch.Tensor, ...]:
-    """``ctx.saved_tensors``, with a clear error when a gradient computed in the forward was modified."""
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as exc:
-        if "modified by an inplace operation" not in str(exc):
-            raise
-        raise RuntimeError(
-            f"{op}: the gradient computed in the forward was modified before this backward. Either backward "
-            f"ran a second time over the same graph (retain_graph=True), which {op} does not support because "
-            f"the backward rescales that gradient in place (run the forward again), or an in-place op wrote "
-            f"into buffers {op} saved (with in_place=True: the logits)."
-        ) from exc
-
-
 class CrossEntropyFunction(torch.autograd.Function):
-    """Forward computes loss and gradient (``lck::cross_entropy_fwd[_]``); backward rescales it in place."""
+    """sum/mean: the forward computes loss and gradient; the backward rescales the gradient in place."""
 
     @staticmethod
     def forward(
@@ -330,10 +345,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     ):
         args = (logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
         if in_place:
-            loss, z, applied = _cross_entropy_fwd_(*args)
+            loss, z, _, applied = _cross_entropy_fwd_(*args)
             grad = logits
         else:
-            loss, z, grad, applied = _cross_entropy_fwd(*args, True)
+            loss, z, _, grad, applied = _cross_entropy_fwd(*args, True)
         ctx.save_for_backward(grad, applied)
         ctx.mark_non_differentiable(z)
         return loss, z
@@ -343,6 +358,31 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad, applied = unpack_saved_gradient(ctx, "cross_entropy")
         _cross_entropy_rescale_(grad, applied, grad_loss)
         return grad, None, None, None, None, None, None, None, None
+
+
+class CrossEntropyRowsFunction(torch.autograd.Function):
+    """none: the forward keeps each row's lse; the backward writes the gradient (into the logits if asked)."""
+
+    @staticmethod
+    def forward(
+        ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, in_place
+    ):
+        options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+        loss, z, lse, _, _ = _cross_entropy_fwd(logits, target, weight, *options, "none", False)
+        ctx.save_for_backward(logits, target, weight, lse)
+        ctx.options, ctx.in_place = options, in_place
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z):
+        logits, target, weight, lse = unpack_saved_gradient(ctx, "cross_entropy")
+        if ctx.in_place:
+            _cross_entropy_bwd_(logits, target, weight, lse, grad_loss, *ctx.options)
+            grad = logits
+        else:
+            grad = _cross_entropy_bwd(logits, target, weight, lse, grad_loss, *ctx.options)
+        return grad, None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -387,10 +427,12 @@ def cross_entropy(
             raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
     args = (logits, target, weight, ignore_index, float(label_smoothing), float(lse_square_scale))
     args += (float(softcap) if softcap is not None else 0.0, reduction)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        loss, z = CrossEntropyFunction.apply(*args, in_place)
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        loss, z, _, _, _ = _cross_entropy_fwd(*args, False)
+    elif reduction == "none":
+        loss, z = CrossEntropyRowsFunction.apply(*args[:-1], in_place)
     else:
-        loss, z, _, _ = _cross_entropy_fwd(*args, False)
+        loss, z = CrossEntropyFunction.apply(*args, in_place)
     loss = loss.to(logits.dtype)
     return (loss, z.to(logits.dtype)) if return_z_loss else loss
 
@@ -459,4 +501,4 @@ class LckCrossEntropyLoss(torch.nn.Module):
         )
 
 
-__all__ = ["REDUCTIONS", "CrossEntropyFunction", "LckCrossEntropyLoss", "cross_entropy"]
+__all__ = ["CrossEntropyFunction", "CrossEntropyRowsFunction", "LckCrossEntropyLoss", "cross_entropy"]

@@ -26,16 +26,18 @@ import math
 
 import torch
 
-from lck_kernels._linear_cross_entropy import plan_chunk_tokens
-from lck_kernels.cross_entropy import check_loss_options
-from lck_kernels.fused_linear_cross_entropy import (
-    LinearCrossEntropyRecomputeFunction,
-    _lce_stats,
+from lck_kernels._cross_entropy_checks import (
     check_chunking,
     check_flag,
     check_linear_inputs,
+    check_loss_options,
     flatten_tokens,
+)
+from lck_kernels._linear_cross_entropy import (
+    LinearCrossEntropyRecomputeFunction,
+    lce_stats,
     needs_grads,
+    plan_chunk_tokens,
 )
 
 Tensor = torch.Tensor
@@ -107,7 +109,7 @@ def fused_linear_scaled_cross_entropy(
             *args, return_entropy, nx, nw, nb, chunk
         )
     else:
-        nll, _, lse, entropy = _lce_stats(*args, return_entropy, chunk)
+        nll, _, lse, entropy = lce_stats(*args, return_entropy, chunk)
     # lse and entropy do not depend on the target; zeroing ignored tokens (and so their gradients) keeps
     # padding out of z-losses and entropy bonuses, and matches the vocabulary-parallel op.
     valid = t1 != ignore_index
