@@ -59,10 +59,16 @@ MISUSE = [
 ]
 
 
+def local_experts(case: Case, world: int) -> int:
+    """Experts per rank: the case's count, raised so a token can pick ``num_topk`` distinct experts
+    even in a world of one rank."""
+    return max(case.local_experts, -(-case.num_topk // world))
+
+
 def make_inputs(case: Case, world: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(x, topk_idx, topk_weights) for every rank, on the CPU, from ``seed`` alone."""
     g = torch.Generator().manual_seed(seed)
-    num_experts = case.local_experts * world
+    num_experts = local_experts(case, world) * world
     out = []
     for s in range(world):
         t = int(torch.randint(1, T_MAX + 1, (1,), generator=g))
@@ -217,7 +223,7 @@ def _run_case(
     import lck_ep.buffer as buffer_mod
 
     c = Checker(f"{case.name} (world {world}, rank {rank}, seed {seed})")
-    num_local = case.local_experts
+    num_local = local_experts(case, world)
     num_experts = num_local * world
     inputs = make_inputs(case, world, seed)
     x, idx, w = (t.to(device) for t in inputs[rank])
