@@ -4,8 +4,8 @@
 # plus a summary).
 #
 #   bash ci/device.sh [STAGE[:SECONDS]]...
-#   stages: probe, runtime, kernels, kernels-bench, kernels-tune, ep, ep-bench, tp, tp-bench,
-#           megatron, megatron-bench, demo
+#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, ep, ep-bench, tp,
+#           tp-bench, megatron, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,10 +25,14 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 summary=$OUT/summary.txt
 : > "$summary"
 
-pytest_pkg() {  # package [pytest args...]
+pytest_pkg() {  # package [pytest args...]: single-GPU tests in parallel workers, then multi-GPU ones alone
   local pkg=$1; shift
-  python3 -m pytest "packages/lck-$pkg/tests" -m gpu -ra -q -p no:cacheprovider \
-    --junitxml="$W/junit-$pkg.xml" "$@"
+  local rc=0
+  python3 -m pytest "packages/lck-$pkg/tests" -m "gpu and not multigpu" -n "${XDIST:-6}" -ra -q \
+    -p no:cacheprovider --tb=short --durations=15 --junitxml="$W/junit-$pkg-1gpu.xml" "$@" || rc=$?
+  python3 -m pytest "packages/lck-$pkg/tests" -m multigpu -ra -q -p no:cacheprovider --tb=short \
+    --durations=10 --junitxml="$W/junit-$pkg-multi.xml" "$@" || rc=$((rc ? rc : $?))
+  return $rc
 }
 
 run_stage() {
@@ -37,14 +41,15 @@ run_stage() {
   local t0=$SECONDS rc
   echo "=== $stage (limit ${limit}s, $NGPU GPUs)" | tee -a "$summary"
   case $stage in
-    probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())"; python3 -m lck_runtime.cli doctor' ;;
+    probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "from lck_runtime.doctor import collect, _render; print(_render(collect()))"' ;;
     runtime) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg runtime" ;;
     kernels) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg kernels" ;;
     kernels-bench) timeout "$limit" python3 -m lck_kernels.bench --out "$W/results-kernels" ;;
+    runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
     kernels-tune) timeout "$limit" bash -c 'for f in packages/lck-kernels/benchmarks/tune_*.py; do echo "--- $f"; python3 "$f"; done' ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
-    tp) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg kernels -k vocab_parallel" ;;
+    tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
     tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp 2 --out "$W/results-tp" ;;
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
