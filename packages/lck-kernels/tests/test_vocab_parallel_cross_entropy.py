@@ -440,11 +440,31 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
     g = dist.group.WORLD
     dev = f"cuda:{torch.cuda.current_device()}"
 
-    def cases() -> None:
+    def some_cases() -> None:
         _case(g, lead=(8192,), vocab=128256, dtype=torch.bfloat16, targets="some_ignored", device=dev, seed=1)
+        _case(g, lead=(1,), vocab=128256, dtype=torch.float16, targets="last_shard", device=dev, seed=4)
+
+    def cases() -> None:
+        some_cases()
         _case(g, lead=(2, 2048), vocab=151936, dtype=torch.bfloat16, reduction="mean", device=dev, seed=2)
         _case(g, lead=(4096,), vocab=64000, dtype=torch.float32, label_smoothing=0.1, device=dev, seed=3)
-        _case(g, lead=(1,), vocab=128256, dtype=torch.float16, targets="last_shard", device=dev, seed=4)
+
+    def compiled() -> None:
+        from lck_kernels import vocab_parallel_cross_entropy as ce
+
+        gen = torch.Generator(device=dev).manual_seed(7)
+        z = torch.randn(1024, 16000, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        t = torch.randint(0, 32000, (1024,), device=dev, generator=gen)
+
+        def f(z, t):
+            return ce(z, t, g, reduction="mean", label_smoothing=0.05)
+
+        eager = f(z, t)
+        (ge,) = torch.autograd.grad(eager, z)
+        out = torch.compile(f, fullgraph=True)(z, t)  # inductor
+        (gc,) = torch.autograd.grad(out, z)
+        torch.testing.assert_close(out, eager)
+        torch.testing.assert_close(gc, ge)
 
     def configured() -> bool:
         native = configure(
@@ -464,12 +484,13 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
             finalize()
         return native
 
-    return _sections(rank, [("unconfigured", cases), ("configured", configured)])
+    return _sections(rank, [("unconfigured", some_cases), ("compile", compiled), ("configured", configured)])
 
 
 @pytest.mark.multigpu(2)
 def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
     results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=900)
     _section(results, "unconfigured")
+    _section(results, "compile")
     natives = _section(results, "configured")
     assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"
