@@ -54,7 +54,8 @@ def build(cuda: bool) -> GPTModel:
         vocab_size=1024 if cuda else 64,
         max_sequence_length=128,
     )
-    return model.cuda() if cuda else model
+    # bf16 on the GPU, every parameter included, as Megatron's Float16Module wrapper casts them.
+    return model.cuda().bfloat16() if cuda else model
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ def test_dist_checkpoint_round_trip_cuda(megatron_tp1: None, tmp_path) -> None:
     model_parallel_cuda_manual_seed(0)
     apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True)
     cfg = transformer_config(torch.bfloat16, use_cpu_initialization=False)
-    saved = build_gpt(cfg).cuda()
+    saved = build_gpt(cfg).cuda().bfloat16()
     want = _perturbed(saved)
     dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path / "patched"))
 
@@ -66,7 +66,7 @@ def test_dist_checkpoint_round_trip_cuda(megatron_tp1: None, tmp_path) -> None:
         if not patched:
             revert_lck_from_megatron()
         model_parallel_cuda_manual_seed(1)
-        fresh = build_gpt(cfg).cuda()
+        fresh = build_gpt(cfg).cuda().bfloat16()
         loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "patched"))
         fresh.load_state_dict(loaded, strict=False)
         for k, p in fresh.named_parameters():
@@ -80,9 +80,10 @@ def test_patched_gpt_forward_backward_cuda(megatron_tp1: None) -> None:
 
     model_parallel_cuda_manual_seed(0)
     cfg = dict(hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, use_cpu_initialization=False)
-    stock = build_gpt(transformer_config(torch.bfloat16, **cfg), vocab_size=8192, seq=256).cuda()
+    # .bfloat16(): every parameter in bf16, norms included, as Megatron's Float16Module casts them.
+    stock = build_gpt(transformer_config(torch.bfloat16, **cfg), vocab_size=8192, seq=256).cuda().bfloat16()
     apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True)
-    patched = build_gpt(transformer_config(torch.bfloat16, **cfg), vocab_size=8192, seq=256).cuda()
+    patched = build_gpt(transformer_config(torch.bfloat16, **cfg), vocab_size=8192, seq=256).cuda().bfloat16()
     with torch.no_grad():
         for (_, a), (_, b) in zip(stock.named_parameters(), patched.named_parameters()):
             b.copy_(a)

@@ -81,3 +81,8 @@ def test_gpu_demo_megatron_backend(tmp_path) -> None:
     assert demo.main(["--steps", "40", "--backend", "megatron", "--out", str(tmp_path)]) == 0
     payload = _check_outputs(tmp_path, 40, ("megatron", "megatron+lck"))
     assert "Megatron-Core GPTModel" in payload["where"]
+    calls = payload["runs"][1]["lck_calls"]
+    # 4 layers: SwiGLU 4 calls a step, RMSNorm 2 per layer + the final one, the loss once.
+    assert calls["swiglu"] == {"lck": 4 * 40, "fallback": 0}, calls
+    assert calls["rms_norm"] == {"lck": 9 * 40, "torch": 0}, calls
+    assert calls["cross_entropy"] == {"lck": 40, "fallback": 0}, calls

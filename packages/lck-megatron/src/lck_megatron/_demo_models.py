@@ -223,7 +223,9 @@ def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
         max_sequence_length=shape.seq,
         position_embedding_type="learned_absolute",
     )
-    return model.cuda()
+    # Megatron trains bf16 models wrapped in Float16Module, which casts every parameter (the norms' too)
+    # to bf16; do the same, or the norms would keep float32 weights under bf16 activations.
+    return model.cuda().to(shape.dtype)
 
 
 def megatron_step_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

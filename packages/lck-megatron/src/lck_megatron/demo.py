@@ -40,6 +40,7 @@ class RunResult:
     peak_kind: str = ""
     tokens_per_step: int = 0
     warmup: int = 1
+    lck_calls: dict[str, dict[str, int]] = field(default_factory=dict)  # Megatron path: what lck ran
 
     @property
     def tokens_per_s(self) -> float:
@@ -195,9 +196,29 @@ def _run_megatron(shape: Any, data: Any, device: Any, seed: int, progress: Any) 
             results.append(
                 _train("megatron+lck", megatron_step_fn(patched), patched, data, shape, device, progress)
             )
+            results[-1].lck_calls = _lck_calls(patched)
         finally:
             revert_lck_from_megatron()
     return results
+
+
+def _lck_calls(model: Any) -> dict[str, dict[str, int]]:
+    """How often the patched model ran lck's kernels, and how often it handed a call back to Megatron."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import mlp
+
+    from lck_megatron.rms_norm import LckMegatronRMSNorm
+
+    norms = {"lck": 0, "torch": 0}
+    for m in model.modules():
+        if isinstance(m, LckMegatronRMSNorm):
+            for k in norms:
+                norms[k] += m.calls[k]
+    return {
+        "swiglu": dict(getattr(mlp.bias_swiglu_impl, "calls", {})),
+        "rms_norm": norms,
+        "cross_entropy": dict(getattr(tensor_parallel.vocab_parallel_cross_entropy, "calls", {})),
+    }
 
 
 def _tolerance(shape: Any) -> float:
@@ -238,6 +259,8 @@ def _report(results: list[RunResult], shape: Any, where: str, tol: float) -> dic
         print(
             "(on the CPU, lck's speed is that of Triton's interpreter emulating the GPU kernels, not a measure of lck)"
         )
+    if b.lck_calls:
+        print("lck calls in the patched model: " + "; ".join(f"{k} {v}" for k, v in b.lck_calls.items()))
     from lck_megatron._demo_models import CHAIN_ENTROPY
 
     print(
@@ -362,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": r.tokens_per_s,
                 "peak_mib": r.peak_mib,
                 "peak_kind": r.peak_kind,
+                "lck_calls": r.lck_calls,
             }
             for r in results
         ],
