@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -104,3 +105,5 @@ def test_gpu_quick_run_writes_results(tmp_path) -> None:
     assert all(r["error"] is None and r["median_ms"] > 0 and r["peak_mib"] is not None for r in recs), recs
     assert payload["provenance"]["gpu"]
     assert json_path.with_suffix(".csv").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert json_path.with_suffix(".png").exists()
