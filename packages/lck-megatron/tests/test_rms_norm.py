@@ -115,3 +115,20 @@ def test_factory_builds_lck_for_rmsnorm_and_megatrons_otherwise() -> None:
         LckWrappedTorchNorm(transformer_config(), 32, 1e-5, bogus_argument=1)
     with pytest.raises(ValueError, match="hidden_size"):
         LckWrappedTorchNorm(config=transformer_config(), hidden_size=0)
+
+
+def test_deepcopy_and_torch_save_of_a_model_with_lck_norms() -> None:
+    import copy
+    import io
+
+    device = _kernel_device()
+    model = torch.nn.Sequential(LckMegatronRMSNorm(16), torch.nn.Linear(16, 4)).to(device)
+    x = torch.randn(3, 16, device=device)
+    want = model(x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert type(clone[0]) is LckMegatronRMSNorm
+        torch.testing.assert_close(clone(x), want)
+        assert clone[0].calls["lck"] >= 1

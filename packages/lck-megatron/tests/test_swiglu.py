@@ -220,3 +220,24 @@ def test_bias_falls_back_to_megatron_with_megatrons_numerics(dtype) -> None:
     ref = bias_swiglu_impl(y.detach(), bias.detach(), False, False)
     torch.testing.assert_close(out.detach(), ref)
     assert_close(out, swiglu_ref(y.double() + bias.double()), dtype, name="bias fallback")
+
+
+def test_deepcopy_and_pickle_keep_the_module_working() -> None:
+    import copy
+    import io
+
+    device = _kernel_device()
+    module = LckMegatronSwiGLU(fallback_impl=reference_impl, in_place=True)
+    module(torch.randn(4, 16, device=device), torch.ones(16, device=device), False, False)  # log a reason
+    for clone in (copy.deepcopy(module), _pickled(module, io)):
+        assert clone.in_place is True and clone.fallback_impl is reference_impl
+        assert clone.fallback_reasons == module.fallback_reasons
+        y = torch.randn(4, 16, device=device)
+        assert_close(clone(y, None, False, False), swiglu_ref(y), torch.float32, name="copied module")
+
+
+def _pickled(module, io):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

@@ -8,6 +8,7 @@ implementation, logging the reason once, when the answer is not ``None``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -37,6 +38,27 @@ class LogOnce:
     @property
     def seen(self) -> frozenset[str]:
         return frozenset(self._seen)
+
+    # Modules holding a LogOnce must survive copy.deepcopy and pickling (EMA copies, torch.save(model)):
+    # the lock is recreated rather than copied.
+    def __getstate__(self) -> dict[str, object]:
+        return {"log": self._log, "level": self._level, "seen": set(self._seen)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._log, self._level, self._seen = state["log"], state["level"], state["seen"]  # type: ignore[assignment]
+        self._lock = threading.Lock()
+
+
+def is_default(value: object, default: object) -> bool:
+    """Whether an argument's value equals its declared default (tensors and odd types never do)."""
+    if value is default:
+        return True
+    if default is inspect.Parameter.empty or isinstance(value, torch.Tensor):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # e.g. an array whose == is elementwise
+        return False
 
 
 def kernel_unavailable_reason(t: torch.Tensor) -> str | None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lck_megatron._support import LogOnce, kernel_unavailable_reason
+from lck_megatron._support import LogOnce, is_default, kernel_unavailable_reason
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KNOWN_PARAMS = ("vocab_parallel_logits", "target", "label_smoothing", "tp_group")
@@ -136,10 +136,7 @@ class LckVocabParallelCrossEntropy:
         for name, param in self._signature.parameters.items():
             if name in _KNOWN_PARAMS or name not in a:
                 continue
-            value = a[name]
-            if not (
-                value is param.default or (not isinstance(value, torch.Tensor) and value == param.default)
-            ):
+            if not is_default(a[name], param.default):
                 return f"argument {name!r} is set to a non-default value lck does not implement"
         return kernel_unavailable_reason(logits)
 

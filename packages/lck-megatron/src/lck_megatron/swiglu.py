@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lck_megatron._support import LogOnce, kernel_unavailable_reason
+from lck_megatron._support import LogOnce, is_default, kernel_unavailable_reason
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The parameters Megatron's bias_swiglu_impl has had since 0.16; anything else is a newer addition.
@@ -208,11 +208,7 @@ class LckMegatronSwiGLU(nn.Module):
         out = []
         for name, value in named.items():
             p = by_name.get(name)
-            default = p.default if p is not None else inspect.Parameter.empty
-            same = default is not inspect.Parameter.empty and (
-                value is default or (not isinstance(value, torch.Tensor) and value == default)
-            )
-            if not same:
+            if not is_default(value, p.default if p is not None else inspect.Parameter.empty):
                 out.append(name)
         return out
 
