@@ -44,10 +44,8 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 
 def _runtime_context(group: dist.ProcessGroup) -> Any | None:
     """The runtime's FLSCE context for ``group``, or None when ``configure(flsce=...)`` did not prepare one."""
-    try:
-        from lck_runtime import flsce_context
-    except ImportError:  # a runtime without FLSCE contexts: every group uses torch.distributed
-        return None
+    from lck_runtime import flsce_context
+
     return flsce_context(group, required=False)
 
 
