@@ -139,12 +139,17 @@ def _train(
         res.losses.append(float(loss.detach()))
         if not cuda:
             rss = max(rss, _rss_mib())
-        progress.step(f"{name} loss {res.losses[-1]:.3f}")
+        if (i + 1) % _report_every(steps) == 0:
+            progress.step(f"{name} step {i + 1} loss {res.losses[-1]:.3f}")
     if cuda:
         res.peak_mib, res.peak_kind = torch.cuda.max_memory_allocated() / 2**20, "CUDA peak allocated"
     else:
         res.peak_mib, res.peak_kind = rss, "process RSS"
     return res
+
+
+def _report_every(steps: int) -> int:
+    return max(1, steps // 20)  # about 20 progress lines per run
 
 
 def _copy_weights(dst: Any, src_state: dict[str, Any]) -> None:
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     data = markov_batches(steps, shape, args.seed)
     if device.type == "cuda":
         data = data.pin_memory()
-    progress = Progress(2 * steps, "lck demo")
+    progress = Progress(2 * (steps // _report_every(steps)), "lck demo")
     t0 = time.monotonic()
     run = _run_megatron if use_megatron else _run_torch
     results = run(shape, data, device, args.seed, progress)
