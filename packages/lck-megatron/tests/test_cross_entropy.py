@@ -61,8 +61,20 @@ def _call(fn, kind: str, logits, target, smoothing: float):
     ids=["plain", "smoothed", "fused"],
 )
 def test_route_matches_megatron_and_float64(megatron_tp1: None, kind: str, smoothing: float, dtype) -> None:
-    device = _device()
-    s, b, v = 6, 3, 80
+    _check_route(kind, smoothing, dtype, _device(), (6, 3, 80))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_route_matches_megatron_and_float64_cuda(megatron_tp1: None, dtype) -> None:
+    for kind, smoothing in (("plain", 0.0), ("plain", 0.1), ("fused", 0.0)):
+        _check_route(kind, smoothing, dtype, torch.device("cuda"), (512, 4, 32000))
+
+
+def _check_route(
+    kind: str, smoothing: float, dtype, device: torch.device, shape: tuple[int, int, int]
+) -> None:
+    s, b, v = shape
     torch.manual_seed(7)
     logits = (torch.randn(s, b, v, device=device) * 3).to(dtype)
     target = torch.randint(0, v, (s, b), device=device)
