@@ -28,8 +28,9 @@ summary=$OUT/summary.txt
 pytest_pkg() {  # package [pytest args...]: single-GPU tests in parallel workers, then multi-GPU ones alone
   local pkg=$1; shift
   local rc=0
-  python3 -m pytest "packages/lck-$pkg/tests" -m "gpu and not multigpu" -n "${XDIST:-6}" -ra -q \
+  python3 -m pytest "packages/lck-$pkg/tests" -m "${ONE_GPU_MARK:-gpu and not multigpu}" -n "${XDIST:-6}" -ra -q \
     -p no:cacheprovider --tb=short --durations=15 --junitxml="$W/junit-$pkg-1gpu.xml" "$@" || rc=$?
+  [ -n "${SKIP_MULTI:-}" ] && return $rc
   python3 -m pytest "packages/lck-$pkg/tests" -m multigpu -ra -q -p no:cacheprovider --tb=short \
     --durations=10 --junitxml="$W/junit-$pkg-multi.xml" "$@" || rc=$((rc ? rc : $?))
   return $rc
@@ -43,10 +44,12 @@ run_stage() {
   case $stage in
     probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "from lck_runtime.doctor import collect, _render; print(_render(collect()))"' ;;
     runtime) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg runtime" ;;
-    kernels) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg kernels" ;;
+    # Kernel tests run every non-multi-GPU test on CUDA (their small CUDA variants exercise triton_op
+    # and opcheck too); the multi-GPU ones are the tp stage.
+    kernels) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W ONE_GPU_MARK='not multigpu' SKIP_MULTI=1 pytest_pkg kernels" ;;
     kernels-bench) timeout "$limit" python3 -m lck_kernels.bench --out "$W/results-kernels" ;;
     runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
-    kernels-tune) timeout "$limit" bash -c 'for f in packages/lck-kernels/benchmarks/tune_*.py; do echo "--- $f"; python3 "$f"; done' ;;
+    kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --out $W/tune-ce" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
@@ -61,7 +64,19 @@ run_stage() {
   tail -n 25 "$W/$stage.log" >> "$summary"
 }
 
-for s in "$@"; do run_stage "$s"; done
+for s in "$@"; do
+  if [[ $s == *+* ]]; then  # "a+b": run side by side, one GPU each (CUDA_VISIBLE_DEVICES=0, 1, ...)
+    IFS=+ read -ra parts <<< "$s"
+    i=0
+    for p in "${parts[@]}"; do
+      (CUDA_VISIBLE_DEVICES=$i NGPU=1 run_stage "$p") &
+      i=$((i + 1))
+    done
+    wait
+  else
+    run_stage "$s"
+  fi
+done
 tar -czf "$OUT/results.tgz" -C "$W" . 2>/dev/null
 rm -rf "$W"
 cat "$summary"
