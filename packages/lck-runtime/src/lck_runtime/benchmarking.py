@@ -117,14 +117,22 @@ def time_cuda(
     iters: int = 30,
     setup: Callable[[], Any] | None = None,
     barrier: Callable[[], None] | None = None,
+    flush_l2: bool = True,
 ) -> list[float]:
     """Milliseconds per call of ``fn``, measured with CUDA events, one pair per call.
 
     ``setup`` runs before each call outside the timed region (e.g. zeroing grads). ``barrier`` runs
     before each timed call, after a device sync, to keep collective benchmarks in lock step. The
     iteration counts are fixed, never adaptive, so every rank runs exactly the same sequence.
+
+    ``flush_l2`` writes a 256 MiB buffer before each call, outside the timed region. It evicts the
+    previous call's data from L2 (an H200 has 50 MB), so inputs come from HBM as in training, and it
+    keeps the GPU busy while the host enqueues the call: without it, a sub-0.1 ms kernel behind a few
+    tens of microseconds of Python dispatch is timed as the host's launch rate, not the kernel.
     """
     import torch
+
+    flush = _l2_flush_buffer() if flush_l2 else None
 
     for _ in range(warmup):
         if setup is not None:
@@ -139,11 +147,25 @@ def time_cuda(
         if barrier is not None:
             torch.cuda.synchronize()
             barrier()
+        if flush is not None:
+            flush.zero_()
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+_FLUSH: dict[int, Any] = {}
+
+
+def _l2_flush_buffer() -> Any:
+    import torch
+
+    dev = torch.cuda.current_device()
+    if dev not in _FLUSH:
+        _FLUSH[dev] = torch.empty(256 * 2**20, dtype=torch.int8, device=f"cuda:{dev}")
+    return _FLUSH[dev]
 
 
 def summarize(times: Sequence[float]) -> dict[str, float]:
