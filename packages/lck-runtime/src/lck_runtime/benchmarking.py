@@ -127,8 +127,9 @@ def time_cuda(
 
     ``flush_l2`` writes a 256 MiB buffer before each call, outside the timed region. It evicts the
     previous call's data from L2 (an H200 has 50 MB), so inputs come from HBM as in training, and it
-    keeps the GPU busy while the host enqueues the call: without it, a sub-0.1 ms kernel behind a few
-    tens of microseconds of Python dispatch is timed as the host's launch rate, not the kernel.
+    then spins the GPU for ~0.5 ms while the host enqueues the call: without that head start, a
+    sub-0.1 ms kernel behind tens of microseconds of Python dispatch is timed as the host's launch
+    rate, not the kernel. Pass ``flush_l2=False`` to time end-to-end including dispatch gaps.
     """
     import torch
 
@@ -149,6 +150,9 @@ def time_cuda(
             barrier()
         if flush is not None:
             flush.zero_()
+            # ~0.5 ms of GPU spin outside the timed region: the host enqueues the call meanwhile, so
+            # the events bracket GPU execution rather than host dispatch (the same for every provider).
+            torch.cuda._sleep(1_000_000)
         starts[i].record()
         fn()
         ends[i].record()
