@@ -95,6 +95,7 @@ def main() -> None:
             if step % 5 == 0 or step == args.steps - 1:
                 print(f"step {step:3d}  loss {loss.item():.4f}")
         ckpt = os.path.join(store, "ckpt")
+        os.makedirs(ckpt, exist_ok=True)  # megatron-core saves only into an existing directory
         dist_checkpointing.save(model.sharded_state_dict(), ckpt)
         fresh = build(cuda)
         fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), ckpt), strict=False)

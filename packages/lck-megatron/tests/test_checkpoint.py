@@ -60,6 +60,7 @@ def test_dist_checkpoint_round_trip_cuda(megatron_tp1: None, tmp_path) -> None:
     cfg = transformer_config(torch.bfloat16, use_cpu_initialization=False)
     saved = build_gpt(cfg).cuda().bfloat16()
     want = _perturbed(saved)
+    (tmp_path / "patched").mkdir()  # megatron-core saves only into an existing directory
     dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path / "patched"))
 
     for label, patched in (("patched", True), ("stock", False)):
