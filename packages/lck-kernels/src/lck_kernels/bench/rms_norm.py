@@ -1,8 +1,8 @@
 """RMSNorm benchmark suite: lck against torch eager (Hugging Face Llama style and ``F.rms_norm``),
 torch.compile and Liger-Kernel, forward and forward+backward, bf16.
 
-Shapes: the headline 16384×4096, a sweep over hidden sizes 1024…16384 at 16384 tokens (the widest is the
-fused path's limit), a tiled row (20480) and Megatron's 3-D ``[seq, batch, hidden]`` layout. ``quick``: small
+Shapes: the headline 16384×4096, hidden sizes 1024 and 8192 at 16384 tokens, a tiled row (20480, past the
+fused path's 16384 limit) and Megatron's 3-D ``[seq, batch, hidden]`` layout. ``quick``: small
 shapes only. Gradients are taken with ``torch.autograd.grad`` so nothing accumulates between iterations.
 """
 
@@ -85,6 +85,6 @@ def _case(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> Case:
 def cases(quick: bool) -> list[Case]:
     if quick:
         return [_case((4096, 4096)), _case((2048, 1024)), _case((512, 4, 2048))]
-    shapes = [(16384, 4096)] + [(16384, h) for h in (1024, 2048, 5120, 8192, 16384)]
+    shapes = [(16384, 4096)] + [(16384, h) for h in (1024, 8192)]
     shapes += [(4096, 20480), (4096, 4, 4096)]
     return [_case(s) for s in shapes]

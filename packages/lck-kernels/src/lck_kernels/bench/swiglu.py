@@ -152,5 +152,6 @@ def cases(quick: bool) -> list[Case]:
             _packed_case((256, 4, 2 * 4096)),
             _two_tensor_case((1024, 4096)),
         ]
-    packed = [(8192, 2 * 32768), (8192, 2 * 4096), (2048, 4, 2 * 4096), (2048, 4, 2 * 32768)]
-    return [_packed_case(s) for s in packed] + [_two_tensor_case(s) for s in ((8192, 4096), (8192, 32768))]
+    # Megatron's 3-D [s, b, 2n] layout at both ffn sizes is in `lck bench megatron`.
+    packed = [(8192, 2 * 32768), (8192, 2 * 4096), (2048, 4, 2 * 32768)]
+    return [_packed_case(s) for s in packed] + [_two_tensor_case((8192, 4096))]
