@@ -48,6 +48,9 @@ run_stage() {
     # and opcheck too); the multi-GPU ones are the tp stage.
     kernels) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W ONE_GPU_MARK='not multigpu' SKIP_MULTI=1 pytest_pkg kernels" ;;
     kernels-bench) timeout "$limit" python3 -m lck_kernels.bench --out "$W/results-kernels" ;;
+    kernels-bench-a) timeout "$limit" python3 -m lck_kernels.bench --only rms_norm swiglu --out "$W/results-kernels" ;;
+    kernels-bench-b) timeout "$limit" python3 -m lck_kernels.bench --only cross_entropy fused_linear_cross_entropy --out "$W/results-kernels" ;;
+    kernels-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m "not multigpu" -k "${KSEL:?}" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
     kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --out $W/tune-ce" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
@@ -57,6 +60,7 @@ run_stage() {
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;
+    megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac > "$W/$stage.log" 2>&1
   rc=$?

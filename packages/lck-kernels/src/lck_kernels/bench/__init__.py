@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         records += run_case(case)
         progress.step(f"{case.bench} {case.shape}")
     stem = f"{gpu_slug()}-{_dt.date.today().isoformat()}-kernels" + ("-quick" if args.quick else "")
+    if args.only:  # runs of different suites (e.g. side by side on two GPUs) must not overwrite each other
+        stem += "-" + "-".join(args.only)
     paths = write_results(
         records,
         args.out,
