@@ -7,7 +7,11 @@ reference is built in row chunks and compared chunk by chunk on the device.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -598,3 +602,87 @@ def test_torch_compile_fullgraph(backend, reduction):
     (got_grad,) = torch.autograd.grad(got, x)
     assert_close(got, eager, dtype, name="loss")
     (assert_close if interpreting() else assert_close_on_device)(got_grad, eager_grad, dtype, name="grad")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inductor launches user Triton kernels with Python float arguments typed fp64
+# ---------------------------------------------------------------------------------------------------------
+
+# Compiles kernels for sm_90 in a child process (``@triton.jit`` gives interpreter objects when
+# TRITON_INTERPRET=1, and compiling needs real JIT functions; no GPU is needed: Triton bundles ptxas) with the
+# float scalars typed fp64, as Inductor types them, and checks that no fp64 value survives past the casts
+# at the top of each kernel. A kernel that forgets a cast either fails to compile (a loop-carried fp32
+# value re-assigned fp64, as ``_ce_row_stats``'s running maximum did) or computes in fp64.
+_FP64_COMPILE_SCRIPT = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+failures = []
+for module, name, floats, constexprs, pointers in json.loads(sys.argv[1]):
+    kernel = getattr(importlib.import_module(module), name)
+    signature = {}
+    for arg, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            signature[arg] = "constexpr"
+        elif arg in floats:
+            signature[arg] = "fp64"
+        elif arg.endswith("_ptr"):
+            signature[arg] = pointers.get(arg, "*fp32")
+        else:
+            signature[arg] = "i32"
+    missing = [f for f in floats if signature.get(f) != "fp64"]
+    if missing:
+        failures.append(f"{name}: no float argument named {missing}")
+        continue
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        )
+    except Exception as exc:  # the failure Inductor hit, reported per kernel
+        failures.append(f"{name}: {type(exc).__name__}: {str(exc)[-400:]}")
+        continue
+    f64 = [
+        line.strip() for line in compiled.asm["ttir"].splitlines()
+        if "f64" in line and "arith.truncf" not in line and "tt.func" not in line and "loc(" != line.strip()[:4]
+    ]
+    if f64:
+        failures.append(f"{name}: fp64 values past the casts: {f64[:3]}")
+print(json.dumps(failures))
+"""
+
+
+def compile_with_fp64_scalars(specs):
+    """[(module, kernel, float args, constexprs, pointer types)] → failure messages (empty when all good)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FP64_COMPILE_SCRIPT, json.dumps(specs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"compile script failed:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_ALL_FLAGS = {"HAS_WEIGHT": True, "SMOOTH": True, "HAS_Z": True, "HAS_SOFTCAP": True, "EVICT": True}
+_CE_FP64_SPECS = [
+    (
+        "lck_kernels._cross_entropy_kernels", "_ce_fwd_kernel", ["eps", "z_scale", "scale", "softcap"],
+        {"BLOCK": 256, **_ALL_FLAGS, "ENTROPY": True, "GRAD": True, "NUM_STAGES": 1, "PREFETCH": True},
+        {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
+    ),
+    (
+        "lck_kernels._cross_entropy_kernels", "_ce_bwd_kernel", ["eps", "z_scale", "scale", "softcap"],
+        {"BLOCK": 256, **_ALL_FLAGS, "HAS_G_LOSS": True, "HAS_G_LSE": True, "HAS_G_ENT": True, "NUM_STAGES": 1},
+        {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
+    ),
+]  # fmt: skip
+
+
+def test_kernels_compile_for_inductor_with_fp64_scalars():
+    assert compile_with_fp64_scalars(_CE_FP64_SPECS) == []

@@ -494,3 +494,31 @@ def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
     _section(results, "compile")
     natives = _section(results, "configured")
     assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inductor's fp64 float scalars (no processes, no GPU: see test_cross_entropy.compile_with_fp64_scalars)
+# ---------------------------------------------------------------------------------------------------------
+
+_VP = "lck_kernels._vocab_parallel_kernels"
+_VP_POINTERS = {"z_ptr": "*bf16", "dz_ptr": "*bf16", "target_ptr": "*i64"}
+_VP_FP64_SPECS = [
+    (
+        _VP, "_vp_shard_stats_kernel", ["scale"],
+        {"BLOCK": 256, "SMOOTH": True, "ENTROPY": True, "EVICT": True, "NUM_STAGES": 1, "PREFETCH": True},
+        _VP_POINTERS,
+    ),
+    (_VP, "_vp_combine_kernel", ["smooth_keep", "smooth_each"], {"BLOCK_R": 16, "BLOCK_TP": 2}, _VP_POINTERS),
+    (
+        _VP, "_vp_shard_grad_kernel", ["scale", "smooth_keep", "smooth_each"],
+        {"HAS_G_LOSS": True, "HAS_G_LSE": True, "HAS_G_ENT": True, "SMOOTH": True, "BLOCK": 256, "EVICT": True,
+         "NUM_STAGES": 1},
+        _VP_POINTERS,
+    ),
+]  # fmt: skip
+
+
+def test_kernels_compile_for_inductor_with_fp64_scalars() -> None:
+    from test_cross_entropy import compile_with_fp64_scalars
+
+    assert compile_with_fp64_scalars(_VP_FP64_SPECS) == []

@@ -50,6 +50,14 @@ from lck_kernels._common import next_power_of_2, num_sms, tuned
 
 
 @triton.jit
+def _f32(v):
+    # Inductor launches user kernels with Python float arguments typed fp64 (a direct launch types them
+    # fp32): every kernel casts its float scalars first, so the row math (and the types of its loop-carried
+    # values) stays fp32 however the kernel is launched.
+    return tl.cast(v, tl.float32)
+
+
+@triton.jit
 def _tanh(x):
     # exp-based: libdevice's tanh is not available in the interpreter; saturates exactly to ±1.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -280,6 +288,7 @@ def _ce_fwd_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
+    eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wsum = tl.load(red_ptr + 4)
@@ -353,6 +362,7 @@ def _ce_bwd_kernel(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wsum = tl.load(red_ptr + 4)

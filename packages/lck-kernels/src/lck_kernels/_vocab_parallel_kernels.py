@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lck_kernels._common import next_power_of_2, tuned
-from lck_kernels._cross_entropy_kernels import _ce_row_grad, _ce_row_stats, ce_launch_config
+from lck_kernels._cross_entropy_kernels import _ce_row_grad, _ce_row_stats, _f32, ce_launch_config
 
 STATS = 5  # m, s, q, sum_z, target_z per (row, shard)
 _M, _S, _Q, _SZ, _ZT = range(STATS)
@@ -61,6 +61,7 @@ def _vp_shard_stats_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
+    scale = _f32(scale)  # fp64 when Inductor launches the kernel
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for row in range(pid, n_rows, nprog):
@@ -95,6 +96,7 @@ def _vp_combine_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_TP: tl.constexpr,
 ):
+    smooth_keep, smooth_each = _f32(smooth_keep), _f32(smooth_each)  # fp64 when Inductor launches
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     slots = tl.arange(0, BLOCK_TP)
@@ -152,6 +154,8 @@ def _vp_shard_grad_kernel(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # fp64 when Inductor launches the kernel
+    scale, smooth_keep, smooth_each = _f32(scale), _f32(smooth_keep), _f32(smooth_each)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for row in range(pid, n_rows, nprog):
