@@ -1,15 +1,30 @@
 """fused_linear_scaled_cross_entropy (FLSCE): per-token NLL, lse and entropy of tempered logits vs float64.
 
 Every output gets its own random upstream gradient (as an RL loss would: advantages on the log-probs, a
-coefficient on the entropy, a z-loss on the lse). CPU: ``TRITON_INTERPRET=1``, float32, small shapes; the
-``gpu`` parameters run 4096 tokens × 4096 → 128256 in bf16 on a CUDA device.
+coefficient on the entropy, a z-loss on the lse). CPU: ``TRITON_INTERPRET=1``, float32 (and float16) at
+small shapes; the ``gpu`` parameters run 4096 tokens × 4096 → 128256 in bf16 on a CUDA device.
+
+Half-precision tolerance. The op holds each chunk of logits in ``x``'s dtype, as any bf16 training step
+does: that rounding (relative 2^-9 in bf16, on logits multiplied by the inverse temperature) perturbs
+every probability, and the gradients of the lse and entropy outputs, ``g_lse·p`` and ``g_H·p·(E_p[z] −
+z)``, are sums dominated by the few largest logits, whose perturbation does not average out. Plain torch in
+bf16 (``x @ W.T`` in bf16, softmax math in float32, autograd) has the same error: at 512 tokens × 1024 →
+16384, inverse temperature 1/0.6, the relative error of ``grad x`` against float64 is 1.15e-2 (none, with
+entropy) and 1.73e-2 (mean) for eager torch, above the fixed bf16 tolerance of 1e-2, and lck matches it
+(1.18e-2, 1.74e-2 under the interpreter, whose fp32 → bf16 cast truncates instead of rounding to nearest).
+So half-precision cases compare lck against float64 *relative to* plain torch eager in the same dtype
+(``assert_no_worse_than_eager``): lck's relative error may be at most 1.25× eager's and its largest
+elementwise error at most 2× eager's, and eager's own error must stay within 4× the dtype tolerance (a
+broken reference cannot pass). float32 cases keep the fixed tolerances.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from _tolerances import assert_close, poison
+from _tolerances import TOL, assert_close, poison
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_cross_entropy import make_inputs, reference_linear
 
@@ -61,16 +76,114 @@ def check_against_reference(
         x, w, t, b, reduction=reduction, g_loss=grads[0], g_lse=grads[1], g_entropy=grads[2] if entropy else None,
         inverse_temperature=inverse_temperature, mask_ignored_stats=True,
     )  # fmt: skip
-    check = assert_close_on_device if n * v > 2**24 else assert_close
-    # The outputs are float32 computed from logits in x's dtype: compare at x's dtype's tolerance.
-    check(out[0], ref["loss"], dtype, name="nll")
-    check(out[1], ref["lse"], dtype, name="lse")
+    got = {"nll": out[0], "lse": out[1], "grad x": xa.grad, "grad weight": wa.grad}
+    want = {"nll": ref["loss"], "lse": ref["lse"], "grad x": ref["dx"], "grad weight": ref["dw"]}
     if entropy:
-        check(out[2], ref["entropy"], dtype, name="entropy")
-    check(xa.grad, ref["dx"], dtype, name="grad x")
-    check(wa.grad, ref["dw"], dtype, name="grad weight", scale=2.0)
+        got["entropy"], want["entropy"] = out[2], ref["entropy"]
     if b is not None:
-        check(ba.grad, ref["db"], dtype, name="grad bias", scale=2.0)
+        got["grad bias"], want["grad bias"] = ba.grad, ref["db"]
+    if dtype == torch.float32:
+        check = assert_close_on_device if n * v > 2**24 else assert_close
+        for name in got:  # the weight and bias gradients sum over every token
+            check(got[name], want[name], dtype, name=name, scale=2.0 if name.startswith("grad w") else 1.0)
+        return
+    base = eager_linear(
+        x, w, t, b, reduction=reduction, g_nll=grads[0], g_lse=grads[1], g_entropy=grads[2] if entropy else None,
+        inverse_temperature=inverse_temperature,
+    )  # fmt: skip
+    for name in got:
+        assert_no_worse_than_eager(got[name], base[name], want[name], dtype, name=name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Half precision: plain torch eager in the same dtype is the yardstick (see the module docstring)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def eager_linear(x, w, t, b=None, *, reduction, g_nll, g_lse, g_entropy, inverse_temperature, rows=1024):
+    """Outputs and gradients of plain torch eager in ``x``'s dtype: logits ``x @ W.T (+ b)`` in that dtype,
+    softmax math in float32, autograd; ignored tokens give zeros, as in the op.
+
+    Evaluated ``rows`` tokens at a time to bound memory, with the same arithmetic as one unchunked graph:
+    rows are independent, and the weight/bias gradients accumulate in float32 and round once, as the
+    single cuBLAS GEMM of an unchunked backward does.
+    """
+    valid = t != -100
+    n_valid = valid.sum()
+    dx = torch.empty_like(x)
+    dw32 = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
+    db32 = torch.zeros(w.shape[0], dtype=torch.float32, device=x.device) if b is not None else None
+    parts = {"nll": [], "lse": [], "entropy": []}
+    for s in range(0, x.shape[0], rows):
+        e = min(x.shape[0], s + rows)
+        logits = (x[s:e] @ w.T if b is None else torch.addmm(b, x[s:e], w.T)).detach().requires_grad_(True)
+        z = logits.float() * inverse_temperature
+        logp = torch.log_softmax(z, -1)
+        keep = valid[s:e]
+        nll = -logp.gather(1, t[s:e].clamp_min(0)[:, None])[:, 0] * keep
+        lse = torch.logsumexp(z, -1) * keep
+        ent = -(logp.exp() * logp).sum(-1) * keep
+        if reduction == "none":
+            obj = (nll * g_nll[s:e]).sum()
+        else:
+            obj = nll.sum() * g_nll / (n_valid if reduction == "mean" else 1)
+        obj = obj + (lse * g_lse[s:e]).sum()
+        if g_entropy is not None:
+            obj = obj + (ent * g_entropy[s:e]).sum()
+        (dlogits,) = torch.autograd.grad(obj, logits)  # in x's dtype, as autograd hands it to the GEMMs
+        dx[s:e] = dlogits @ w
+        dw32.addmm_(dlogits.t().float(), x[s:e].float())
+        if db32 is not None:
+            db32 += dlogits.float().sum(0)
+        for key, val in (("nll", nll), ("lse", lse), ("entropy", ent)):
+            parts[key].append(val.detach())
+    out = {key: torch.cat(val) for key, val in parts.items()}
+    if reduction != "none":
+        out["nll"] = out["nll"].sum() / (n_valid if reduction == "mean" else 1)
+    out["grad x"], out["grad weight"] = dx, dw32.to(w.dtype)
+    if db32 is not None:
+        out["grad bias"] = db32.to(b.dtype)
+    return out
+
+
+def error_stats(out, ref, *, block_elems=2**26):
+    """(relative Frobenius error, largest absolute error, largest |ref|, any NaN) of ``out`` against
+    ``ref``, computed on their device in blocks of rows (float64 temporaries stay ~0.5 GiB)."""
+    o2 = out.detach().reshape(out.shape[0], -1) if out.dim() > 0 else out.detach().reshape(1, 1)
+    r2 = ref.detach().reshape(o2.shape)
+    step = max(1, block_elems // max(1, o2.shape[1]))
+    err2 = ref2 = max_err = ref_max = 0.0
+    nan = False
+    for s in range(0, o2.shape[0], step):
+        o, r = o2[s : s + step].double(), r2[s : s + step].double()
+        nan = nan or bool(torch.isnan(o).any().item())
+        d = (o - r).abs()
+        err2 += d.pow(2).sum().item()
+        ref2 += r.pow(2).sum().item()
+        max_err = max(max_err, d.max().item())
+        ref_max = max(ref_max, r.abs().max().item())
+    return math.sqrt(err2) / max(math.sqrt(ref2), 1e-30), max_err, ref_max, nan
+
+
+def assert_no_worse_than_eager(out, eager, ref, dtype, *, name, rel_factor=1.25, max_factor=2.0):
+    """``out`` is at most ``rel_factor``× as far from the float64 ``ref`` as plain torch eager in ``dtype``
+    (relative Frobenius error) and at most ``max_factor``× in its largest elementwise error; eager itself
+    must be within 4× the dtype's tolerance. Float32-level floors keep exact cases from failing on noise."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    rel, max_err, ref_max, nan = error_stats(out, ref)
+    e_rel, e_max, _, e_nan = error_stats(eager, ref)
+    assert not nan, f"{name}: NaN in output"
+    assert not e_nan and e_rel <= 4 * TOL[dtype][0], (
+        f"{name}: plain torch eager in {dtype} is {e_rel:.3e} from the float64 reference, beyond 4x the dtype "
+        f"tolerance: the reference or the baseline is broken"
+    )
+    floor_rel, floor_abs = TOL[torch.float32][0], TOL[torch.float32][1] * max(1.0, ref_max)
+    assert rel <= max(rel_factor * e_rel, floor_rel), (
+        f"{name} ({dtype}): relative error {rel:.3e} > {rel_factor} x plain torch eager's {e_rel:.3e}"
+    )
+    assert max_err <= max(max_factor * e_max, floor_abs), (
+        f"{name} ({dtype}): largest error {max_err:.3e} > {max_factor} x plain torch eager's {e_max:.3e}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,6 +208,10 @@ def test_matches_float64_reference(reduction, entropy, inverse_temperature, pois
     "case",
     [
         (33, 16, 150, torch.float32, "none", True),  # bias, one chunk
+        # float16 against plain torch eager (the interpreter rounds fp32 -> fp16 to nearest, as GPUs do;
+        # its fp32 -> bf16 cast truncates, so bf16 is left to the GPU cases)
+        (48, 32, 1000, torch.float16, "mean", True),  # bias
+        (130, 64, 3000, torch.float16, "none", True),
         pytest.param((4096, 4096, 128256, torch.bfloat16, "none", True), marks=gpu, id="gpu-4096-entropy"),
         pytest.param((3000, 4096, 128256, torch.bfloat16, "mean", False), marks=gpu, id="gpu-3000-mean"),
         pytest.param((1024, 2048, 32000, torch.float16, "none", True), marks=gpu, id="gpu-fp16"),
@@ -113,6 +230,7 @@ def test_real_sizes_match_float64_reference(case, poisoned):
         inverse_temperature=1 / 0.6,
         seed=2,
         bias=n < 100,
+        max_chunk_tokens=64 if n < 1000 else None,  # CPU: a 130-token case runs as 44 + 44 + 42
     )
 
 
