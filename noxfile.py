@@ -96,9 +96,9 @@ def megatron(session: nox.Session, version: str) -> None:
     _sync(session, "megatron")
     if version != MEGATRON_VERSIONS[-1]:
         session.install(f"megatron-core=={version}")
-    session.run(
-        "python", "-c", f"import megatron.core as m; assert m.__version__ == '{version}', m.__version__"
-    )
+    # Package metadata, not megatron.core.__version__ (which appends the commit of the cwd's git repo).
+    check = f"from importlib.metadata import version as v; assert v('megatron-core') == '{version}', v('megatron-core')"
+    session.run("python", "-c", check)
     _pytest(session, "megatron")
 
 
