@@ -1,21 +1,24 @@
 """Tune the cross-entropy kernels' launch parameters on this GPU (about two minutes on an H200).
 
-    python packages/lck-kernels/benchmarks/tune_cross_entropy.py [--out DIR] [--budget-s 110]
+    python packages/lck-kernels/benchmarks/tune_cross_entropy.py [--out DIR] [--budget-s 120]
 
-At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``:
+At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``, most informative first:
 
-1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): look-ahead loads,
-   tile, warps, persistent grid; then eviction hints off and pipelining depth for the two best;
-2. ``cross_entropy_fwd`` (loss only: one read of the logits);
-3. ``cross_entropy_bwd`` (gradient from a saved lse: the backward of the fused linear ops' recompute path);
-4. the fused linear cross entropy's ``chunk_bytes`` at 8192 × 4096 → 128256 (forward+backward time and the
-   working memory beyond the gradients).
+1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): the current default
+   (one program reads a whole row twice), then rows split over teams of 2, 4 or 8 programs (``split``:
+   ``_ce_fwd_split_kernel``, whose second read of a slice should hit L2) by tile, warps and programs per
+   SM; then eviction hints off and no look-ahead for the two best;
+2. the whole ``cross_entropy`` forward+backward with the best configuration (target ≤ 1.30 ms);
+3. fused linear cross entropy at 8192 × 4096 → 128256: the time of each piece of one chunk (logits GEMM,
+   row pass, the two gradient GEMMs, the weight-gradient GEMM accumulating or not), then forward+backward
+   by ``chunk_bytes`` with and without ``overlap`` (row passes on a side stream between the GEMMs of
+   neighbouring chunks), with the working memory beyond the gradients (targets ≤ 36 ms, ≤ 0.6 GB);
+4. ``cross_entropy_fwd`` (loss only: one read of the logits; target ≥ 85% of the copy rate);
+5. ``cross_entropy_bwd`` (gradient from a saved lse: the backward of the recompute path).
 
-It reports milliseconds and bandwidth as a fraction of this GPU's measured device-to-device copy rate
-(targets: forward ≥ 85 %, cross entropy forward+backward ≤ 1.30 ms, fused linear ≤ 36 ms with ≤ 0.6 GB),
-times the whole ``cross_entropy`` forward+backward with the best configuration, prints the overrides to
-copy into ``_cross_entropy_kernels._DEFAULTS``, and writes ``tune-cross-entropy-<gpu>-<date>.{json,csv}``.
-Configurations past the time budget are skipped (the most informative run first).
+It reports milliseconds and bandwidth as a fraction of this GPU's measured device-to-device copy rate,
+prints the overrides to copy into ``_cross_entropy_kernels._DEFAULTS`` (and the FLCE ``overlap`` verdict),
+and writes ``tune-cross-entropy-<gpu>-<date>.{json,csv}``. Configurations past the time budget are skipped.
 """
 
 from __future__ import annotations
@@ -92,36 +95,63 @@ def _best(sweep: Sweep, kernel: str, k: int = 1) -> list[dict]:
     return [r.extra["params"] for r in sorted(done, key=lambda r: r.median_ms)[:k]]
 
 
-def _sweep_cross_entropy(sweep: Sweep, copy_rate: float) -> dict[str, dict]:
-    from lck_kernels._common import tuning
-    from lck_kernels._cross_entropy_launch import CEOptions, launch_bwd, launch_reduction
-    from lck_kernels.cross_entropy import cross_entropy
-
+def _ce_inputs():
     gen = torch.Generator("cuda").manual_seed(0)
     logits = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     target = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    return logits, target
+
+
+def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
+    import lck_kernels.cross_entropy  # noqa: F401  (registers torch.ops.lck.cross_entropy_*)
+
     nbytes = logits.numel() * logits.element_size()
     fwd_op = torch.ops.lck.cross_entropy_fwd
-
     print("1. loss + gradient in one kernel (cross_entropy_fwd_grad)", flush=True)
     grad_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", True)
-    grid = _grid(
-        prefetch=(1, 0), block_bytes=(16384, 32768), warps=(32, 16), programs_per_sm=(1, 2, 0), evict=(1,)
-    )
+    kernel = "cross_entropy_fwd_grad"
+    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1}
+    for p in ({**base, "programs_per_sm": 0, "split": 1}, {**base, "programs_per_sm": 1, "split": 1}):
+        sweep.run(kernel, p, grad_fn, 2 * nbytes, copy_rate)
+    grid = _grid(split=(4, 2, 8), block_bytes=(32768, 16384), warps=(32, 16), programs_per_sm=(1, 2, 0))
     for p in grid:
-        sweep.run("cross_entropy_fwd_grad", p, grad_fn, 2 * nbytes, copy_rate)
-    for p in _best(sweep, "cross_entropy_fwd_grad", 2):
-        sweep.run("cross_entropy_fwd_grad", {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate)
-        sweep.run("cross_entropy_fwd_grad", {**p, "stages": 2}, grad_fn, 2 * nbytes, copy_rate)
+        sweep.run(kernel, {"prefetch": 1, "evict": 1, **p}, grad_fn, 2 * nbytes, copy_rate)
+    for p in _best(sweep, kernel, 2):
+        sweep.run(kernel, {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate)
+        sweep.run(kernel, {**p, "prefetch": 0}, grad_fn, 2 * nbytes, copy_rate)
+    return (_best(sweep, kernel) or [{}])[0]
 
-    print("2. loss only (cross_entropy_fwd)", flush=True)
+
+def _time_cross_entropy(sweep: Sweep, best_grad: dict, logits, target) -> None:
+    from lck_kernels._common import tuning
+    from lck_kernels.cross_entropy import cross_entropy
+
+    leaf = logits.clone().requires_grad_(True)
+    with tuning("cross_entropy_fwd_grad", **best_grad):
+        full = summarize(time_cuda(lambda: torch.autograd.grad(cross_entropy(leaf, target), leaf), iters=20))
+    print(
+        f"2. cross_entropy fwd+bwd with the best configuration: {full['median_ms']:.3f} ms (target <= 1.30)"
+    )
+    rec = Record("cross_entropy_autograd", _label(best_grad), "fwd_bwd", f"{N}x{V}", "bfloat16")
+    rec.__dict__.update(full)
+    sweep.records.append(rec)
+
+
+def _sweep_fwd_and_bwd(sweep: Sweep, copy_rate: float, logits, target) -> dict[str, dict]:
+    import lck_kernels.cross_entropy  # noqa: F401  (registers torch.ops.lck.cross_entropy_*)
+    from lck_kernels._cross_entropy_launch import CEOptions, launch_bwd, launch_reduction
+
+    nbytes = logits.numel() * logits.element_size()
+    fwd_op = torch.ops.lck.cross_entropy_fwd
+    print("4. loss only (cross_entropy_fwd)", flush=True)
     loss_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False)
-    for p in _grid(block_bytes=(16384, 8192, 32768), warps=(16, 8, 32), prefetch=(0, 1)):
+    for p in _grid(block_bytes=(8192, 4096), warps=(8, 4), prefetch=(1, 0)):
         sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
     for p in _best(sweep, "cross_entropy_fwd", 2):
-        sweep.run("cross_entropy_fwd", {**p, "programs_per_sm": 4}, loss_fn, nbytes, copy_rate)
+        for per_sm in (2, 4):
+            sweep.run("cross_entropy_fwd", {**p, "programs_per_sm": per_sm}, loss_fn, nbytes, copy_rate)
 
-    print("3. gradient from a saved lse (cross_entropy_bwd)", flush=True)
+    print("5. gradient from a saved lse (cross_entropy_bwd)", flush=True)
     red = launch_reduction(target, None, V, -100, mean=True, wrap=False)
     lse = torch.logsumexp(logits.float(), -1)
     grad = torch.empty_like(logits)
@@ -130,33 +160,83 @@ def _sweep_cross_entropy(sweep: Sweep, copy_rate: float) -> dict[str, dict]:
         logits, grad, target, None, red, CEOptions(), lse=lse, entropy=None, g_loss=one, g_lse=None,
         g_entropy=None, wrap=False,
     )  # fmt: skip
-    for p in _grid(block_bytes=(32768, 16384), warps=(16, 8), programs_per_sm=(0, 4)):
+    for p in _grid(block_bytes=(16384, 32768), warps=(16, 8), programs_per_sm=(0,)):
         sweep.run("cross_entropy_bwd", p, bwd_fn, 2 * nbytes, copy_rate)
+    return {k: (_best(sweep, k) or [{}])[0] for k in ("cross_entropy_fwd", "cross_entropy_bwd")}
 
-    kernels = ("cross_entropy_fwd_grad", "cross_entropy_fwd", "cross_entropy_bwd")
-    best = {k: (_best(sweep, k) or [{}])[0] for k in kernels}
-    leaf = logits.clone().requires_grad_(True)
-    with tuning("cross_entropy_fwd_grad", **best["cross_entropy_fwd_grad"]):
-        full = summarize(time_cuda(lambda: torch.autograd.grad(cross_entropy(leaf, target), leaf), iters=20))
-    print(f"cross_entropy fwd+bwd with the best configuration: {full['median_ms']:.3f} ms (target <= 1.30)")
-    rec = Record(
-        "cross_entropy_autograd", _label(best["cross_entropy_fwd_grad"]), "fwd_bwd", f"{N}x{V}", "bfloat16"
+
+def _flce_breakdown(sweep: Sweep, copy_rate: float, x, w, target, best_grad: dict) -> None:
+    """Each piece of one chunk of the gradients-in-the-forward schedule, timed alone."""
+    from lck_kernels._common import tuning
+    from lck_kernels._cross_entropy_launch import CEOptions, launch_fwd, launch_reduction
+    from lck_kernels._linear_cross_entropy import plan_chunk_tokens
+
+    chunk = plan_chunk_tokens(N, V, 2)
+    n_chunks = -(-N // chunk)
+    xc, tc = x.detach()[:chunk], target[:chunk]
+    wd = w.detach()
+    buf = torch.mm(xc, wd.t())
+    gx = torch.empty(chunk, H, device="cuda", dtype=x.dtype)
+    gw = torch.zeros(V, H, device="cuda", dtype=x.dtype)
+    red = launch_reduction(tc, None, V, -100, mean=True, wrap=False)
+    rows = [torch.empty(chunk, device="cuda") for _ in range(3)]
+    flop = 2 * chunk * H * V
+    pieces = [
+        ("logits GEMM x·Wt", lambda: torch.mm(xc, wd.t(), out=buf), flop),
+        (
+            "row pass (in place)",
+            lambda: launch_fwd(
+                buf,
+                tc,
+                None,
+                red,
+                CEOptions(),
+                loss=rows[0],
+                lse=rows[1],
+                grad=buf,
+                applied=rows[2],
+                wrap=False,
+            ),
+            None,
+        ),
+        ("grad_x GEMM dl·W", lambda: torch.mm(buf, wd, out=gx), flop),
+        ("grad_W GEMM dlt·x (accumulate)", lambda: gw.addmm_(buf.t(), xc), flop),
+        ("grad_W GEMM dlt·x (first chunk)", lambda: torch.mm(buf.t(), xc, out=gw), flop),
+    ]
+    print(
+        f"3a. fused linear cross entropy, one {chunk}-token chunk of {n_chunks}, each piece alone", flush=True
     )
-    rec.__dict__.update(full)
-    sweep.records.append(rec)
-    return best
+    total = 0.0
+    with tuning("cross_entropy_fwd_grad", **best_grad):
+        for name, fn, f in pieces:
+            if not sweep.left():
+                break
+            ms = summarize(time_cuda(fn, warmup=2, iters=10))["median_ms"]
+            rec = Record("flce_piece", name, "chunk", f"{chunk}x{H}x{V}", "bfloat16", median_ms=ms)
+            if f:
+                rec.extra["tflop_per_s"] = f / (ms * 1e-3) / 1e12
+                rate = f"{rec.extra['tflop_per_s']:5.0f} TFLOP/s"
+            else:
+                rec.extra["of_copy_rate"] = 2 * buf.numel() * 2 / (ms * 1e-3) / copy_rate
+                rate = f"{rec.extra['of_copy_rate']:6.1%} of copy"
+            sweep.records.append(rec)
+            if "first" not in name:
+                total += ms * (n_chunks if "accumulate" not in name else n_chunks - 1)
+            else:
+                total += ms
+            print(f"  {name:<34} {ms:7.3f} ms  {rate}", flush=True)
+    print(
+        f"  sum over {n_chunks} chunks (first grad_W GEMM without accumulation): {total:.2f} ms", flush=True
+    )
 
 
-def _sweep_chunk_budget(sweep: Sweep, best_grad: dict) -> None:
+def _sweep_flce(sweep: Sweep, best_grad: dict, x, w, target) -> int:
     from lck_kernels._common import tuning
     from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-    print("4. fused linear cross entropy chunk budget", flush=True)
-    gen = torch.Generator("cuda").manual_seed(1)
-    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(V, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16).requires_grad_(True)
-    target = torch.randint(0, V, (N,), device="cuda", generator=gen)
-    for mib in (512, 256, 768, 128):
+    print("3b. fused linear cross entropy fwd+bwd by chunk budget and overlap", flush=True)
+    best_overlap, best_ms = 0, float("inf")
+    for mib, overlap in ((512, 0), (512, 1), (1024, 1), (1024, 0), (384, 0), (768, 1), (256, 0)):
         if not sweep.left():
             break
 
@@ -165,10 +245,12 @@ def _sweep_chunk_budget(sweep: Sweep, best_grad: dict) -> None:
                 fused_linear_cross_entropy(x, w, target, chunk_bytes=mib << 20), (x, w)
             )
 
-        rec = Record(
-            "fused_linear_cross_entropy", f"chunk_bytes={mib}MiB", "fwd_bwd", f"{N}x{H}x{V}", "bfloat16"
-        )
-        with tuning("cross_entropy_fwd_grad", **best_grad):
+        label = f"chunk_bytes={mib}MiB overlap={overlap}"
+        rec = Record("fused_linear_cross_entropy", label, "fwd_bwd", f"{N}x{H}x{V}", "bfloat16")
+        with (
+            tuning("cross_entropy_fwd_grad", **best_grad),
+            tuning("fused_linear_cross_entropy", overlap=overlap),
+        ):
             rec.__dict__.update(summarize(time_cuda(step, warmup=2, iters=5)))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -176,20 +258,24 @@ def _sweep_chunk_budget(sweep: Sweep, best_grad: dict) -> None:
             grads = step()
             torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
+        del grads
         rec.extra.update(extra_gb=extra / 1e9, tflop_per_s=6 * N * H * V / (rec.median_ms * 1e-3) / 1e12)
         sweep.records.append(rec)
+        if mib == 512 and rec.median_ms < best_ms:
+            best_overlap, best_ms = overlap, rec.median_ms
         print(
-            f"  chunk_bytes={mib:4d} MiB  {rec.median_ms:7.2f} ms  {rec.extra['tflop_per_s']:5.0f} TFLOP/s  "
+            f"  {label:<32} {rec.median_ms:7.2f} ms  {rec.extra['tflop_per_s']:5.0f} TFLOP/s  "
             f"extra {extra / 1e9:.3f} GB  (targets: <= 36 ms, <= 0.6 GB)",
             flush=True,
         )
+    return best_overlap
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
-        "--budget-s", type=float, default=110.0, help="stop starting new configurations after this"
+        "--budget-s", type=float, default=120.0, help="stop starting new configurations after this"
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -198,12 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = _copy_rate()
     print(f"device-to-device copy: {copy_rate / 1e9:.0f} GB/s", flush=True)
     sweep = Sweep(args.budget_s)
-    best = _sweep_cross_entropy(sweep, copy_rate)
+    logits, target = _ce_inputs()
+    best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target)}
+    _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
+    del logits
     torch.cuda.empty_cache()
-    _sweep_chunk_budget(sweep, best["cross_entropy_fwd_grad"])
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(V, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16).requires_grad_(True)
+    flce_target = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    _flce_breakdown(sweep, copy_rate, x, w, flce_target, best["cross_entropy_fwd_grad"])
+    overlap = _sweep_flce(sweep, best["cross_entropy_fwd_grad"], x, w, flce_target)
+    del x, w
+    torch.cuda.empty_cache()
+    logits, target = _ce_inputs()
+    best.update(_sweep_fwd_and_bwd(sweep, copy_rate, logits, target))
     print("\nbest overrides (copy into lck_kernels._cross_entropy_kernels._DEFAULTS):")
     for kernel, params in best.items():
         print(f"  {kernel!r}: {params}")
+    print(f"fused linear cross entropy at 512 MiB: overlap={overlap} was faster")
+    best["fused_linear_cross_entropy"] = {"overlap": overlap}
     stem = f"tune-cross-entropy-{gpu_slug()}-{_dt.date.today().isoformat()}"
     paths = write_results(
         sweep.records, args.out, stem, meta={"copy_rate_bytes_per_s": copy_rate, "best": best}

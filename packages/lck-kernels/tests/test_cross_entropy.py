@@ -253,20 +253,99 @@ def test_reference_matches_torch_reduced_loss():
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0},
         {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0},
+        # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
+        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
+        {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0, "split": 2},
     ],
     ids=str,
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **params):
+    loss_only = {k: v for k, v in params.items() if k != "split"}
+    with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
-        assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 and cfg["PREFETCH"] == bool(params["prefetch"])
+        assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
+        assert cfg["PREFETCH"] == bool(params["prefetch"]) and cfg["SPLIT"] == params.get("split", 1)
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
         check_against_reference(11, 500, torch.float32, "none", seed=6, **_options("plain", 500))
+        if cfg["SPLIT"] > 1:  # each program overwrites only its own slice of the row
+            check_against_reference(
+                11, 500, torch.float32, "sum", seed=22, in_place=True, label_smoothing=0.1
+            )
         logits, target = make_case(11, 500, torch.float32, seed=7)
         loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)  # the loss-only kernel
         ref = F.cross_entropy(logits.double(), target, reduction="none", label_smoothing=0.1)
         assert_close(loss, ref, torch.float32, name="loss without gradient")
+
+
+def test_split_launch_config():
+    dev = torch.device(DEVICE)
+    for split, want in ((1, 1), (2, 2), (3, 2), (4, 4), (8, 8), (16, 8)):
+        with tuning("cross_entropy_fwd_grad", split=split, programs_per_sm=1, block_bytes=4096):
+            cfg = ce_launch_config("cross_entropy_fwd_grad", 5000, 128256, 2, dev)
+        want = min(want, 4) if DEVICE == "cpu" else want  # the interpreter's stand-in GPU has 4 SMs
+        assert cfg["SPLIT"] == want, (split, cfg)
+        assert cfg["grid"][0] % want == 0 and cfg["CHUNK"] % cfg["BLOCK"] == 0
+        assert cfg["CHUNK"] * want >= 128256 > cfg["CHUNK"] * (want - 1), "every member owns columns"
+    with tuning("cross_entropy_fwd_grad", split=8, programs_per_sm=0, block_bytes=4096):
+        short = ce_launch_config("cross_entropy_fwd_grad", 3, 5000, 2, dev)  # 3 tiles: teams of 2
+        assert short["SPLIT"] == 2 and short["grid"] == (6,), short
+        one_tile = ce_launch_config("cross_entropy_fwd_grad", 3, 700, 2, dev)
+        assert one_tile["SPLIT"] == 1 and one_tile["grid"] == (3,), one_tile
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter runs a team's programs one after another")
+def test_split_kernel_gives_up_instead_of_hanging():
+    """Phase 0 (the GPU form) in the interpreter: program 0 waits for partners that run only after it. It must
+    give up after MAX_SPIN polls, raise the abort flag, and leave NaN, not hang; later waits end at once."""
+    from lck_kernels import _cross_entropy_kernels as k
+    from lck_kernels._cross_entropy_launch import CEOptions, launch_reduction
+
+    n, v, split = 3, 256, 4
+    logits, target = make_case(n, v, torch.float32, seed=24, ignore_every=0)
+    red = launch_reduction(target, None, v, -100, mean=True, wrap=False)
+    loss, lse, applied = (torch.zeros(n) for _ in range(3))
+    grad = torch.zeros_like(logits)
+    part = torch.zeros(n * split * 8 + 1, dtype=torch.int64)
+    ignore_index, eps, z_scale, scale, softcap = CEOptions().scalars()
+    k._ce_fwd_split_kernel[(split,)](
+        logits, v, grad, v, target, lse, red, loss, lse, lse, lse, applied, part, n, v, v // split, ignore_index,
+        eps, z_scale, scale, softcap, BLOCK=64, SPLIT=split, HAS_WEIGHT=False, SMOOTH=False, HAS_Z=False,
+        HAS_SOFTCAP=False, ENTROPY=False, EVICT=False, NUM_STAGES=1, PREFETCH=False, PHASE=0, MAX_SPIN=3,
+    )  # fmt: skip
+    assert part[-1].item() == 1, "the abort flag is raised"
+    assert torch.isnan(loss).all() and torch.isnan(grad[:, : v // split]).all(), "no partner: NaN rows"
+    # The last member ran after every partner had published: its slice is the true gradient.
+    ref = torch.softmax(logits.double(), -1)
+    ref[torch.arange(n), target] -= 1
+    last = slice(v - v // split, v)
+    assert_close(grad[:, last], ref[:, last] / n, torch.float32, name="last member's slice")
+
+
+@gpu
+@pytest.mark.parametrize(
+    "params",
+    [{"split": 2}, {"split": 4, "programs_per_sm": 1}, {"split": 8, "programs_per_sm": 2, "warps": 16}],
+    ids=str,
+)
+def test_split_rows_match_float64_reference_gpu(params, poisoned):
+    """Teams of programs that wait for each other inside one launch (the GPU form of the split kernel)."""
+    with tuning("cross_entropy_fwd_grad", **params):
+        cfg = ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))
+        assert cfg["SPLIT"] == params["split"], cfg
+        check_against_reference(
+            8192,
+            128256,
+            torch.bfloat16,
+            "mean",
+            seed=21,
+            rows_per_chunk=512,
+            **_options("everything", 128256),
+        )
+        check_against_reference(
+            4096, 151936, torch.bfloat16, "sum", seed=23, rows_per_chunk=512, in_place=True
+        )
 
 
 def test_minus_inf_logits_are_masked_classes():
@@ -675,6 +754,12 @@ _CE_FP64_SPECS = [
         "lck_kernels._cross_entropy_kernels", "_ce_fwd_kernel", ["eps", "z_scale", "scale", "softcap"],
         {"BLOCK": 256, **_ALL_FLAGS, "ENTROPY": True, "GRAD": True, "NUM_STAGES": 1, "PREFETCH": True},
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
+    ),
+    (  # phase 0: both passes and the team's wait in one launch, as on a GPU
+        "lck_kernels._cross_entropy_kernels", "_ce_fwd_split_kernel", ["eps", "z_scale", "scale", "softcap"],
+        {"BLOCK": 256, "SPLIT": 4, **_ALL_FLAGS, "ENTROPY": True, "NUM_STAGES": 1, "PREFETCH": True, "PHASE": 0,
+         "MAX_SPIN": 1 << 24},
+        {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64", "part_ptr": "*i64"},
     ),
     (
         "lck_kernels._cross_entropy_kernels", "_ce_bwd_kernel", ["eps", "z_scale", "scale", "softcap"],

@@ -12,7 +12,7 @@ import torch
 from _tolerances import assert_close, poison
 from test_cross_entropy import assert_close_on_device, reduction_scales, reference_rows
 
-from lck_kernels._common import interpreting
+from lck_kernels._common import interpreting, tuning
 from lck_kernels._linear_cross_entropy import CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, plan_chunk_tokens
 from lck_kernels.fused_linear_cross_entropy import LckFusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 
@@ -205,6 +205,18 @@ GPU_CASES = [
 def test_real_sizes_match_float64_reference(case, poisoned):
     n, h, v, dtype, reduction, option = case
     check_against_reference(n, h, v, dtype, reduction, seed=2, **_options(option, v))
+
+
+@gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_tuning_knobs_overlap_and_split_rows_gpu(reduction, poisoned):
+    """The tuning script's variants: row passes on a side stream between the GEMMs of neighbouring chunks
+    (``overlap``; gradients in the forward for mean, the recompute backward for none), with the rows split
+    over teams of programs writing the gradient into the logits chunk (``split``)."""
+    with tuning("fused_linear_cross_entropy", overlap=1), tuning("cross_entropy_fwd_grad", split=4):
+        check_against_reference(
+            5000, 4096, 128256, torch.bfloat16, reduction, seed=9, **_options("smoothing_z", 128256)
+        )
 
 
 @pytest.mark.parametrize("which", ["x", "weight", "bias", "none"])

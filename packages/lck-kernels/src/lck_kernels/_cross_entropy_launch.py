@@ -14,7 +14,7 @@ import torch
 import triton
 
 from lck_kernels import _cross_entropy_kernels as k
-from lck_kernels._common import launcher, num_sms
+from lck_kernels._common import interpreting, launcher, num_sms
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,24 @@ def launch_fwd(
     name = "cross_entropy_fwd_grad" if grad is not None else "cross_entropy_fwd"
     cfg = k.ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
+    if grad is not None and cfg["SPLIT"] > 1:
+        # One record of 8 int64 words per (row, team member), zero = not yet published, and an abort flag.
+        part = torch.zeros(n_rows * cfg["SPLIT"] * 8 + 1, dtype=torch.int64, device=logits.device)
+        # On a GPU the team's programs run together and wait for each other's records inside one launch;
+        # the interpreter runs programs one after another, so there the statistics pass (phase 1) and the
+        # gradient pass (phase 2) are two launches of the same kernel.
+        for phase in (1, 2) if interpreting() else (0,):
+            _kernel(k._ce_fwd_split_kernel, wrap)[cfg["grid"]](
+                logits, logits.stride(0), grad, grad.stride(0), target,
+                class_weight if class_weight is not None else lse, red, loss,
+                zloss if zloss is not None else lse, lse, entropy if entropy is not None else lse,
+                applied if applied is not None else lse, part, n_rows, n_cols, cfg["CHUNK"], ignore_index,
+                eps, z_scale, scale, softcap,
+                BLOCK=cfg["BLOCK"], SPLIT=cfg["SPLIT"], **opts.flags(class_weight is not None),
+                ENTROPY=entropy is not None, EVICT=cfg["EVICT"], NUM_STAGES=cfg["NUM_STAGES"],
+                PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=k.MAX_SPIN, num_warps=cfg["num_warps"],
+            )  # fmt: skip
+        return
     _kernel(k._ce_fwd_kernel, wrap)[cfg["grid"]](
         logits,
         logits.stride(0),

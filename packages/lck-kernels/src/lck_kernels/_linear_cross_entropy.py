@@ -24,6 +24,9 @@ data (8192 tokens), the relative error of ``grad_W`` is 2.0e-3 / 2.6e-3 / 3.5e-3
 bf16 tolerance (1e-2) the tests hold it to. Large chunks also keep cuBLAS efficient: skinny GEMMs run far
 below peak.
 
+Both schedules run their chunks through ``run_chunks``, which can also (tuning knob ``overlap``) put each
+chunk's row pass on a side stream between the GEMMs of the neighbouring chunks.
+
 This module also registers the recompute schedule's ops, ``lck::linear_cross_entropy_stats`` and
 ``lck::linear_cross_entropy_bwd`` (opaque ``custom_op``s: they mix cuBLAS GEMMs and Triton launches), and
 its ``torch.autograd.Function``, shared by ``fused_linear_cross_entropy`` (``reduction="none"``) and
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import cdiv, check_tensor
+from lck_kernels._common import cdiv, check_tensor, tuned
 from lck_kernels._cross_entropy_checks import check_linear_inputs, check_op_scalars
 from lck_kernels._cross_entropy_launch import (
     CEOptions,
@@ -82,6 +85,73 @@ def _logits(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         torch.mm(x_c, weight.t(), out=out)
     else:
         torch.addmm(bias, x_c, weight.t(), out=out)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def run_chunks(x, weight, bias, chunk: int, row_kernel, gemms=None) -> None:
+    """For each chunk ``[s, e)`` of ``chunk`` tokens: ``logits = x[s:e]·Wᵀ (+ b)`` into a reused buffer, then
+    ``row_kernel(s, e, logits)`` (the Triton row pass, which may overwrite ``logits`` with its gradient),
+    then ``gemms(s, e, logits)`` (the gradient GEMMs), if given.
+
+    Tuning knob ``tuning("fused_linear_cross_entropy", overlap=1)`` (CUDA, with ``gemms``): two buffers of
+    half the chunk (the same memory), and the row pass of each chunk runs on a side stream, so that it can
+    overlap the GEMMs of the neighbouring chunks (the row pass only moves bytes; the GEMMs only compute).
+    Whether the GPU actually runs them side by side depends on cuBLAS leaving SMs free; measure it.
+    """
+    n, v = x.shape[0], weight.shape[0]
+    overlap = (
+        tuned("fused_linear_cross_entropy", {"overlap": 0})["overlap"] and x.is_cuda and gemms is not None
+    )
+    if not overlap or n <= 1:
+        buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=x.device)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = buf[: e - s]
+            _logits(x[s:e], weight, bias, logits)
+            row_kernel(s, e, logits)
+            if gemms is not None:
+                gemms(s, e, logits)
+        return
+    half = cdiv(chunk, 2)
+    if half > CHUNK_ALIGN:
+        half = cdiv(half, CHUNK_ALIGN) * CHUNK_ALIGN
+    bounds = [(s, min(n, s + half)) for s in range(0, n, half)]
+    bufs = [torch.empty((min(half, n), v), dtype=x.dtype, device=x.device) for _ in range(2)]
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+
+    def logits_of(i: int) -> torch.cuda.Event:
+        s, e = bounds[i]
+        _logits(x[s:e], weight, bias, bufs[i % 2][: e - s])
+        done = torch.cuda.Event()
+        done.record(main)
+        return done
+
+    # Main stream: GEMM(0) | GEMM(1), wait row(0), grads(0) | GEMM(2), wait row(1), grads(1) | ...; side
+    # stream: row(i) after GEMM(i). Buffer i % 2 is rewritten by GEMM(i + 2) only after grads(i), which
+    # followed row(i) on the main stream, so no pass reads a buffer being rewritten. Everything the side
+    # stream touches was allocated before on the main stream, which waits for the side stream's last pass:
+    # later reuse of that memory is ordered after it.
+    ready = logits_of(0)
+    for i, (s, e) in enumerate(bounds):
+        logits = bufs[i % 2][: e - s]
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            row_kernel(s, e, logits)
+        row_done = torch.cuda.Event()
+        row_done.record(side)
+        if i + 1 < len(bounds):
+            ready = logits_of(i + 1)
+        main.wait_event(row_done)
+        gemms(s, e, logits)
 
 
 def _rows(n: int, device: torch.device, on: bool = True) -> torch.Tensor | None:
@@ -140,20 +210,21 @@ def forward_with_grads(
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
     grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
-    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
-    applied = torch.empty(min(chunk, n), dtype=torch.float32, device=dev)  # unused by the fused schedule
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        logits, x_c = buf[: e - s], x[s:e]
-        _logits(x_c, weight, bias, logits)
+    applied = torch.empty(n, dtype=torch.float32, device=dev)  # unused by the fused schedule
+
+    def row_kernel(s, e, logits):
         launch_fwd(
             logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
-            zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[: e - s], wrap=False,
+            zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[s:e], wrap=False,
         )  # fmt: skip
+
+    def gemms(s, e, logits):
         _accumulate_grads(
-            logits, x_c, weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
             grad_b32 if need_b else None,
         )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
     if need_w and n == 0:
         grad_w.zero_()
     loss, z = finalize_loss(ce, zl, red, reduction)
@@ -176,15 +247,14 @@ def forward_stats(
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
     ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
-    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        logits = buf[: e - s]
-        _logits(x[s:e], weight, bias, logits)
+
+    def row_kernel(s, e, logits):
         launch_fwd(
             logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
             zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, wrap=False,
         )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel)
     loss, z = finalize_loss(ce, zl, red, reduction)
     return loss, z, lse, ent
 
@@ -216,23 +286,24 @@ def backward_recompute(
     ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``; ``g_lse``/``g_entropy`` are ``[N]``
     or ``None``. Unneeded gradients come back empty.
     """
-    n, v, dev = x.shape[0], weight.shape[0], x.device
+    n, v = x.shape[0], weight.shape[0]
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
-    buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=dev)
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        logits, x_c = buf[: e - s], x[s:e]
-        _logits(x_c, weight, bias, logits)
+
+    def row_kernel(s, e, logits):
         launch_bwd(
             logits, logits, target[s:e], class_weight, red, opts, lse=lse[s:e],
             entropy=entropy[s:e] if entropy is not None else None, g_loss=_row_slice(g_loss, s, e),
             g_lse=_row_slice(g_lse, s, e), g_entropy=_row_slice(g_entropy, s, e), wrap=False,
         )  # fmt: skip
+
+    def gemms(s, e, logits):
         _accumulate_grads(
-            logits, x_c, weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
             grad_b32 if need_b else None,
         )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
     if need_w and n == 0:
         grad_w.zero_()
     return grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)

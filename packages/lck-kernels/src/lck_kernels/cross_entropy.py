@@ -20,7 +20,7 @@
   it on the host would cost a device sync per call).
 
 How it is fast. For ``reduction="sum"``/``"mean"`` (a scalar incoming gradient), when ``logits`` requires
-grad, one kernel reads each row twice (the second read hits L2) and writes both the loss and
+grad, one kernel reads each row twice (the second read meant to hit L2) and writes both the loss and
 ``∂loss/∂logits`` (already normalised for ``mean``) into a new buffer, or into ``logits`` itself with
 ``in_place=True``. The backward then only multiplies by the incoming gradient, on the device and in place:
 each gradient row remembers the factor applied so far, so the usual ``grad_output == 1`` exits at once (one
