@@ -54,8 +54,10 @@ class Sweep:
         return time.monotonic() - self.t0 < self.budget_s
 
     def run(
-        self, kernel: str, params: dict, fn, nbytes: float | None, copy_rate: float, *, iters=20
+        self, kernel: str, params: dict, fn, nbytes: float | None, copy_rate: float, *, iters=20, check=None
     ) -> float | None:
+        """Time ``fn`` under ``params``; ``check()`` (optional, run first) returns an error or None: a
+        configuration that computes wrong values is reported and never chosen."""
         from lck_kernels._common import tuning
 
         rec = Record(kernel, _label(params), "tune", f"{N}x{V}", "bfloat16")
@@ -65,6 +67,9 @@ class Sweep:
             return None
         try:
             with tuning(kernel, **params):
+                wrong = check() if check is not None else None
+                if wrong:
+                    raise ValueError(f"wrong result: {wrong}")
                 rec.__dict__.update(summarize(time_cuda(fn, warmup=3, iters=iters)))
         except Exception as exc:  # a configuration that does not compile or launch is a result, not a crash
             rec.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -110,15 +115,31 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
     print("1. loss + gradient in one kernel (cross_entropy_fwd_grad)", flush=True)
     grad_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", True)
     kernel = "cross_entropy_fwd_grad"
+    # Every configuration must reproduce the default's loss and gradient (the split kernel's teams
+    # cooperate through memory: a scheduling or ordering fault shows up as NaN or wrong rows here).
+    ref_loss, _, _, ref_grad, _ = grad_fn()
+    rows = torch.arange(0, N, 97, device=logits.device)
+
+    def check() -> str | None:
+        loss, _, _, grad, _ = grad_fn()
+        g, r = grad[rows].float(), ref_grad[rows].float()
+        if not torch.isfinite(loss).item() or not torch.isfinite(g).all().item():
+            return "NaN or inf"
+        if abs(loss.item() - ref_loss.item()) > 1e-4 * abs(ref_loss.item()):
+            return f"loss {loss.item()} vs {ref_loss.item()}"
+        if ((g - r).norm() / r.norm()).item() > 1e-2:
+            return f"gradient differs by {((g - r).norm() / r.norm()).item():.2e}"
+        return None
+
     base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1}
     for p in ({**base, "programs_per_sm": 0, "split": 1}, {**base, "programs_per_sm": 1, "split": 1}):
-        sweep.run(kernel, p, grad_fn, 2 * nbytes, copy_rate)
+        sweep.run(kernel, p, grad_fn, 2 * nbytes, copy_rate, check=check)
     grid = _grid(split=(4, 2, 8), block_bytes=(32768, 16384), warps=(32, 16), programs_per_sm=(1, 2, 0))
     for p in grid:
-        sweep.run(kernel, {"prefetch": 1, "evict": 1, **p}, grad_fn, 2 * nbytes, copy_rate)
+        sweep.run(kernel, {"prefetch": 1, "evict": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _best(sweep, kernel, 2):
-        sweep.run(kernel, {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate)
-        sweep.run(kernel, {**p, "prefetch": 0}, grad_fn, 2 * nbytes, copy_rate)
+        sweep.run(kernel, {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate, check=check)
+        sweep.run(kernel, {**p, "prefetch": 0}, grad_fn, 2 * nbytes, copy_rate, check=check)
     return (_best(sweep, kernel) or [{}])[0]
 
 
@@ -235,7 +256,7 @@ def _sweep_flce(sweep: Sweep, best_grad: dict, x, w, target) -> int:
     from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     print("3b. fused linear cross entropy fwd+bwd by chunk budget and overlap", flush=True)
-    best_overlap, best_ms = 0, float("inf")
+    best_overlap, best_ms, ref_sample = 0, float("inf"), None
     for mib, overlap in ((512, 0), (512, 1), (1024, 1), (1024, 0), (384, 0), (768, 1), (256, 0)):
         if not sweep.left():
             break
@@ -258,7 +279,17 @@ def _sweep_flce(sweep: Sweep, best_grad: dict, x, w, target) -> int:
             grads = step()
             torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
+        # The same gradients (sampled rows) in every configuration: chunking changes only rounding.
+        sample = [grads[0][::97].float(), grads[1][::997].float()]
         del grads
+        if ref_sample is None:
+            ref_sample = sample
+        diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(sample, ref_sample))
+        if not diff <= 2e-2:
+            rec.error = f"wrong result: gradients differ from the first configuration's by {diff:.2e}"
+            print(f"  {label:<32} {rec.error}", flush=True)
+            sweep.records.append(rec)
+            continue
         rec.extra.update(extra_gb=extra / 1e9, tflop_per_s=6 * N * H * V / (rec.median_ms * 1e-3) / 1e12)
         sweep.records.append(rec)
         if mib == 512 and rec.median_ms < best_ms:
