@@ -266,13 +266,13 @@ def fwd_config(n_cols: int, element_size: int) -> dict[str, int]:
 def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     """Backward launch parameters; ``PROGRAMS_PER_SM`` sizes the persistent grid.
 
-    Warps follow the row width (each thread also holds fp32 ``dweight`` partials and ``offset + w``);
-    rows are packed up to 8192 elements per step so more loads are in flight. Measured on an H200 at
-    16384×4096 bf16: 2 rows × 8 warps took 0.18 ms against 0.41 ms for 1 row × 8 warps and 0.42 ms
-    for 2 rows × 16 warps (2026-11-30).
+    Warps follow the row width (each thread also holds fp32 ``dweight`` partials and ``offset + w``).
+    Rows are packed to 2048 elements per step, and to 8192 for 4096-wide rows: measured on an H200 at
+    16384×4096 bf16, 2 rows × 8 warps took 0.18 ms against 0.41 ms for 1 row × 8 warps and 0.42 ms for
+    2 rows × 16 warps; packing 8 rows of 1024 the same way spilled registers (0.36 ms, 2026-11-30).
     """
     block = row_block(n_cols, MAX_BLOCK)
-    rows = max(1, min(16, 8192 // block)) if block >= n_cols else 1
+    rows = max(1, min(16, (8192 if block >= 4096 else 2048) // block)) if block >= n_cols else 1
     warps = min(32, 2 * warps_for(block, element_size, lo=2))
     return tuned("rms_norm_bwd", {"BLOCK_N": block, "ROWS": rows, "num_warps": warps, "PROGRAMS_PER_SM": 2})
 

@@ -50,6 +50,9 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 def run_case(case: Case, *, modes: tuple[str, ...] = ("fwd", "fwd_bwd")) -> list[Record]:
     records = []
     dtype = str(case.dtype).replace("torch.", "")
+    # Each case compiles its own graphs: without a reset, suites that compile one function over many
+    # shapes hit dynamo's recompile limit (fullgraph=True turns that into a hard failure).
+    torch._dynamo.reset()
     for provider, builder in case.providers.items():
         inputs = case.make_inputs()
         try:
