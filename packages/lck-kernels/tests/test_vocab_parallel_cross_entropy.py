@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from _tolerances import assert_close
 from test_cross_entropy import assert_close_on_device
+from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager
 
 from lck_runtime.testing import run_workers
 
@@ -119,7 +120,24 @@ def _case(
     # Real sizes compare on the device, in row blocks (a CPU comparison of 10^8 float64 elements takes seconds).
     check = assert_close_on_device if shard.numel() > 2**22 else assert_close
     check(out, ref, dtype, name=f"loss ({what})")
-    check(shard.grad, ref_in.grad[..., rank * vs : (rank + 1) * vs], dtype, name=f"grad ({what})")
+    ref_grad = ref_in.grad[..., rank * vs : (rank + 1) * vs]
+    if dtype in (torch.float16, torch.bfloat16):
+        # A half-precision gradient holds probabilities down to ~1/V, partly subnormal in fp16: its
+        # error is set by the storage format. Plain torch eager in the same dtype is the yardstick.
+        eager_in = full.detach().to(dtype).requires_grad_(True)
+        eager = F.cross_entropy(
+            eager_in.reshape(-1, vocab),
+            target.reshape(-1),
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+        )
+        eager = eager.view(lead) if reduction == "none" else eager
+        eager.backward(grad.to(eager.dtype))
+        eager_grad = eager_in.grad[..., rank * vs : (rank + 1) * vs]
+        assert_no_worse_than_eager(shard.grad, eager_grad, ref_grad, dtype, name=f"grad ({what})")
+    else:
+        check(shard.grad, ref_grad, dtype, name=f"grad ({what})")
     if targets == "all_ignored":
         assert torch.count_nonzero(out) == 0 and torch.count_nonzero(shard.grad) == 0, f"{what}: must be 0"
 
