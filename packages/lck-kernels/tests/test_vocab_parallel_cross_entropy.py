@@ -123,7 +123,9 @@ def _case(
     ref_grad = ref_in.grad[..., rank * vs : (rank + 1) * vs]
     if dtype in (torch.float16, torch.bfloat16):
         # A half-precision gradient holds probabilities down to ~1/V, partly subnormal in fp16: its
-        # error is set by the storage format. Plain torch eager in the same dtype is the yardstick.
+        # error is set by the storage format. Plain torch eager in the same dtype is the yardstick; on an
+        # H200 (1 row, V=32000, fp16) eager was 8.36e-3 from float64 and lck 8.28e-3, 4.2x the fixed
+        # tolerance, hence the wider bound on the baseline itself.
         eager_in = full.detach().to(dtype).requires_grad_(True)
         eager = F.cross_entropy(
             eager_in.reshape(-1, vocab),
@@ -135,7 +137,9 @@ def _case(
         eager = eager.view(lead) if reduction == "none" else eager
         eager.backward(grad.to(eager.dtype))
         eager_grad = eager_in.grad[..., rank * vs : (rank + 1) * vs]
-        assert_no_worse_than_eager(shard.grad, eager_grad, ref_grad, dtype, name=f"grad ({what})")
+        assert_no_worse_than_eager(
+            shard.grad, eager_grad, ref_grad, dtype, name=f"grad ({what})", baseline_factor=8.0
+        )
     else:
         check(shard.grad, ref_grad, dtype, name=f"grad ({what})")
     if targets == "all_ignored":
