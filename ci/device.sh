@@ -13,7 +13,9 @@ mkdir -p "$OUT/work"
 W=$OUT/work
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_REMOTE_TRANSPORT=none
-export PYTHONUNBUFFERED=1 LCK_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+export PYTHONUNBUFFERED=1
+# The device copy may lack usable git metadata: callers pass LCK_COMMIT; otherwise ask git quietly.
+export LCK_COMMIT=${LCK_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 export LCK_JIT_CACHE_DIR=/tmp/lck-jit EP_JIT_CACHE_DIR=/tmp/lck-ep-jit
 SITE=/tmp/lck-site
 if [ -d .device-wheels ] && [ ! -d "$SITE" ]; then
