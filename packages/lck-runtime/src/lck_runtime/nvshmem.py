@@ -29,7 +29,8 @@ __all__ = [
 ]
 
 # Architectures the native paths are built for (sm_90a Hopper, sm_100a Blackwell).
-NATIVE_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_100a"}
+# "a" targets run only on their exact chip: B300 (10.3) needs sm_103a, not sm_100a.
+NATIVE_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 # NVSHMEM variables that must be equal on every rank (heap layout and transports are symmetric).
 AGREED_ENV = (
     "NVSHMEM_SYMMETRIC_SIZE",
