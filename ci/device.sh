@@ -58,7 +58,7 @@ run_stage() {
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
-    tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp 2 --out "$W/results-tp" ;;
+    tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp "${TP:-$NGPU}" --out "$W/results-tp" ;;
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;

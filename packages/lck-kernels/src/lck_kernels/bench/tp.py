@@ -20,7 +20,7 @@ maximum over ranks:
 Modes: ``fwd`` (inputs require grad, no backward) and ``fwd_bwd`` (per-token random upstream gradients of
 the NLL — and of the entropy with ``--entropy`` — through ``torch.autograd.grad``). ``peak_mib`` is the peak
 allocated during one call above what was live before it (outputs and gradients included). Results go to
-``<out>/<gpu>-<date>-tp<N>.{json,csv,png}`` with provenance; the targets (TP ≤ 0.6 × single-GPU, faster
+``<out>/<gpu>-<date>-tp<N>.{json,csv,png}`` with provenance; the targets (TP2 ≤ 0.6 and TP8 ≤ 0.2 × single-GPU, faster
 than the native liger-cute-kernels figures in FACTS.md) are printed and stored in ``meta``.
 """
 
@@ -39,7 +39,9 @@ DEFAULT_OUT = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 # liger-cute-kernels 0.8.5 (native CUTLASS + NVSHMEM), TP=2 on 2 x H200, 8192 x 4096 -> 128256 bf16
 # (FACTS.md, measured 2026-11-30): forward, forward+backward (ms), extra peak (MiB).
 LIGER_CUTE_TP2 = {"fwd": 6.74, "fwd_bwd": 29.6, "peak_mib": 1.1e9 / 2**20}
-TARGET_RATIO = 0.6
+# TP time over single-GPU time for the same full vocabulary, per TP size (issues 4 and 7; none is set
+# for TP4, whose ratio is reported without a verdict).
+TARGET_RATIO = {2: 0.6, 8: 0.2}
 WORKER_ENV = {
     "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
     "NVSHMEM_REMOTE_TRANSPORT": "none",
@@ -296,7 +298,12 @@ def _targets(records: list[Any], tp: int, tokens: int, hidden: int, vocab: int) 
             single = exact(single_name, "fwd_bwd")
             if single and tp_nv:
                 ratio = tp_nv.median_ms / single.median_ms
-                verdict = {"value": ratio, "target": TARGET_RATIO, "met": ratio <= TARGET_RATIO}
+                target = TARGET_RATIO.get(tp)
+                verdict = {
+                    "value": ratio,
+                    "target": target,
+                    "met": None if target is None else ratio <= target,
+                }
                 out[f"{tp_nv.provider}_over_{single_name}_fwd_bwd"] = verdict
     if (tp, tokens, hidden, vocab) == (2, 8192, 4096, 128256):
         for mode in ("fwd", "fwd_bwd"):
