@@ -47,14 +47,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_vocab_parallel_cross_entropy import _timed
-from test_vocab_parallel_fused_linear_scaled_cross_entropy import (
-    _case,
-    _expect_error,
-    _same_messages,
-    _section,
-    _sections,
-)
+from _tp_helpers import _expect_error, _section, _sections, _timed
+from test_vocab_parallel_fused_linear_scaled_cross_entropy import _case, _same_messages
 
 from lck_runtime.testing import run_workers
 
