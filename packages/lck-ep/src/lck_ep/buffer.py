@@ -452,15 +452,7 @@ class Buffer:
         if plan.expand:
             a = plan.expert_alignment
             m = sum((c + a - 1) // a * a for c in per_local)
-            maps = build_expanded(got.recv_topk_idx, big_l, a, m)
-            recv_x = gather_expanded(got.recv_x, maps.src_row)
-            fields = dict(
-                expert_offsets=maps.offsets,
-                expanded_src_row=maps.src_row,
-                expanded_slot=maps.slot,
-                recv_expanded_index=maps.index,
-                num_expanded_rows=m,
-            )
+            recv_x, fields = _expand(got.recv_x, got.recv_topk_idx, big_l, a, m)
         handle = DispatchHandle(
             buffer_uid=self.uid,
             seq=self._next_seq(),
@@ -541,15 +533,7 @@ class Buffer:
         recv_x = got.recv_x
         if plan.expand:
             m = expanded_capacity(nwt, plan.num_topk, big_l, plan.expert_alignment)
-            maps = build_expanded(got.recv_topk_idx, big_l, plan.expert_alignment, m)
-            recv_x = gather_expanded(got.recv_x, maps.src_row)
-            fields = dict(
-                expert_offsets=maps.offsets,
-                expanded_src_row=maps.src_row,
-                expanded_slot=maps.slot,
-                recv_expanded_index=maps.index,
-                num_expanded_rows=m,
-            )
+            recv_x, fields = _expand(got.recv_x, got.recv_topk_idx, big_l, plan.expert_alignment, m)
         handle = DispatchHandle(
             buffer_uid=self.uid,
             seq=self._next_seq(),
@@ -649,3 +633,18 @@ class Buffer:
             bias=plan.bias,
         )
         return CombineOutput(combined, Event(self.device))
+
+
+def _expand(
+    recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, num_local: int, alignment: int, rows: int
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The expert-major rows of a dispatch (``rows`` of them) and the handle fields that map them back."""
+    maps = build_expanded(recv_topk_idx, num_local, alignment, rows)
+    fields = dict(
+        expert_offsets=maps.offsets,
+        expanded_src_row=maps.src_row,
+        expanded_slot=maps.slot,
+        recv_expanded_index=maps.index,
+        num_expanded_rows=rows,
+    )
+    return gather_expanded(recv_x, maps.src_row), fields
