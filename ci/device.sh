@@ -3,8 +3,8 @@
 # logs and result files under $OUT (at most a few files come back, so everything goes in one tarball
 # plus a summary).
 #
-#   bash ci/device.sh [STAGE[:SECONDS]]...
-#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, ep, ep-bench, tp,
+#   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
+#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, ep, ep-bench, tp,
 #           tp-bench, megatron, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +54,8 @@ run_stage() {
     kernels-bench-b) timeout "$limit" python3 -m lck_kernels.bench --only cross_entropy fused_linear_cross_entropy --out "$W/results-kernels" ;;
     kernels-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m "not multigpu" -k "${KSEL:?}" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
-    kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --out $W/tune-ce" ;;
+    kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --budget-s ${TUNE_BUDGET:-200} --out $W/tune-ce" ;;
+    host) timeout "$limit" python3 packages/lck-kernels/benchmarks/host_overhead.py --out "$W/host" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
@@ -75,7 +76,8 @@ for s in "$@"; do
     IFS=+ read -ra parts <<< "$s"
     i=0
     for p in "${parts[@]}"; do
-      (CUDA_VISIBLE_DEVICES=$i NGPU=1 run_stage "$p") &
+      # "b,c" inside a part: those stages one after another on that part's GPU.
+      (IFS=, read -ra seq <<< "$p"; for q in "${seq[@]}"; do CUDA_VISIBLE_DEVICES=$i NGPU=1 run_stage "$q"; done) &
       i=$((i + 1))
     done
     wait

@@ -57,7 +57,7 @@ def test_megatron_provider_is_megatrons_function() -> None:
 
 
 def test_summary_speedups_and_targets() -> None:
-    def rec(prov: str, mode: str, n: int, ms: float, mib: float) -> Record:
+    def rec(prov: str, mode: str, n: int, ms: float, mib: float, loop: float | None = None) -> Record:
         return Record(
             benchmark.BENCH,
             prov,
@@ -66,20 +66,23 @@ def test_summary_speedups_and_targets() -> None:
             "bfloat16",
             median_ms=ms,
             peak_mib=mib,
-            extra={"ffn_local": n},
+            extra={"ffn_local": n} | ({"loop_ms": loop} if loop is not None else {}),
         )
 
     records = [
         rec("megatron", "fwd_bwd", 32768, 6.0, 1536.0),
         rec("lck", "fwd_bwd", 32768, 1.0, 1536.0),
         rec("lck_in_place", "fwd_bwd", 32768, 1.0, 512.0),
-        rec("megatron", "fwd_bwd", 4096, 0.6, 192.0),
-        rec("lck", "fwd_bwd", 4096, 0.2, 192.0),
+        rec("megatron", "fwd_bwd", 4096, 0.6, 192.0, loop=0.9),
+        rec("lck", "fwd_bwd", 4096, 0.2, 192.0, loop=0.2),
         Record(benchmark.BENCH, "torch", "fwd", "x", "bfloat16", error="boom", extra={"ffn_local": 4096}),
     ]
     lines, checks = benchmark.summarize_records(records)
     assert checks["fwd_bwd speed-up at ffn_local=32768"] == (6.0, 5.0, True)
     assert checks["fwd_bwd speed-up at ffn_local=4096"] == pytest.approx((3.0, 4.0, False))
+    # Back to back (host dispatch included) is reported beside the GPU-time ratio, never instead of it.
+    assert checks["fwd_bwd speed-up at ffn_local=4096, back to back"] == pytest.approx((4.5, 4.0, True))
+    assert "fwd_bwd speed-up at ffn_local=32768, back to back" not in checks
     ratio, target, met = checks["in-place peak memory / megatron at ffn_local=32768"]
     assert ratio == pytest.approx(1 / 3) and target == 0.8 and met
     assert any("6.00x" in line for line in lines) and any("error: boom" in line for line in lines)

@@ -122,11 +122,25 @@ def _effective_weight(w_ptr, cols, col_mask, offset, CASTING: tl.constexpr, DT: 
 
 
 @triton.jit
+def _load_rows(x_ptr, dy_ptr, rows, last, cols, col_mask, stride_x, stride_dy):
+    """Rows ``rows`` (those below ``last``) of ``x`` and ``dy``, in their own dtype."""
+    mask = (rows < last)[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program, stride_dy,
     stride_x, stride_dx, offset, CASTING: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """Persistent: program ``p`` owns rows ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
+    """Persistent: program ``p`` owns rows ``[p * rows_per_program, (p + 1) * rows_per_program)``.
+
+    With ``PREFETCH`` the next step's rows are loaded before this step's reduction, so a program always has
+    a load in flight (the rows differ, so writing ``dx`` into ``dy`` in place stays safe)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
@@ -136,13 +150,20 @@ def _rms_norm_bwd_kernel(
     last = tl.minimum(first + rows_per_program, n_rows)
     # dweight partial sums stay in registers for the whole row range: one reduction at the very end.
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        x_next, dy_next = _load_rows(x_ptr, dy_ptr, first + tl.arange(0, ROWS), last, cols, col_mask, stride_x,
+                                     stride_dy)  # fmt: skip
     for start in range(first, last, ROWS):
         rows = start + tl.arange(0, ROWS)
         row_mask = rows < last
         rows = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        xf = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x_cur, dy_cur = x_next, dy_next
+            x_next, dy_next = _load_rows(x_ptr, dy_ptr, rows + ROWS, last, cols, col_mask, stride_x, stride_dy)
+        else:
+            x_cur, dy_cur = _load_rows(x_ptr, dy_ptr, rows, last, cols, col_mask, stride_x, stride_dy)
+        xf, dy = x_cur.to(tl.float32), dy_cur.to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xn = xf * rstd[:, None]
         g = dy * w[None, :]
@@ -274,7 +295,10 @@ def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     block = row_block(n_cols, MAX_BLOCK)
     rows = max(1, min(16, (8192 if block >= 4096 else 2048) // block)) if block >= n_cols else 1
     warps = min(32, 2 * warps_for(block, element_size, lo=2))
-    return tuned("rms_norm_bwd", {"BLOCK_N": block, "ROWS": rows, "num_warps": warps, "PROGRAMS_PER_SM": 2})
+    return tuned(
+        "rms_norm_bwd",
+        {"BLOCK_N": block, "ROWS": rows, "num_warps": warps, "PROGRAMS_PER_SM": 2, "PREFETCH": 0},
+    )
 
 
 def _launch_fwd(x2, weight, y2, rstd, eps, offset, casting) -> None:
@@ -301,7 +325,7 @@ def _launch_bwd(dy2, x2, weight, rstd, dx2, offset, casting) -> torch.Tensor:
         launcher(_rms_norm_bwd_kernel)[(programs,)](
             dy2, x2, weight, rstd, dx2, partial, n_rows, n_cols, per_program,
             dy2.stride(0), x2.stride(0), dx2.stride(0), float(offset),
-            CASTING=casting, ROWS=rows, BLOCK_N=block, num_warps=cfg["num_warps"],
+            CASTING=casting, ROWS=rows, BLOCK_N=block, PREFETCH=bool(cfg["PREFETCH"]), num_warps=cfg["num_warps"],
         )  # fmt: skip
     else:
         dot = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)

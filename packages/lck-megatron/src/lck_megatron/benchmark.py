@@ -2,8 +2,10 @@
 
 ``lck bench megatron`` / ``python -m lck_megatron.benchmark`` runs the activation on the layout Megatron's
 MLP really passes, ``[s, b, 2·ffn_local]`` bfloat16 (gate then up), at S=2048, B=4 for ffn_local 4096 and
-32768: forward and forward+backward median milliseconds (CUDA events, fixed iteration counts) and the
-peak memory of one forward+backward above what was live before it. Each provider's output and input
+32768: forward and forward+backward median milliseconds (CUDA events, fixed iteration counts; GPU time,
+with the host's dispatch hidden), the same back to back as a training loop calls it (``loop_ms``, host
+dispatch included, and the host's own cost ``host_ms``), and the peak memory of one forward+backward above
+what was live before it. Each provider's output and input
 gradient are checked once against torch eager before it is timed. Results go to
 ``<out>/swiglu-<gpu>-<date>.{json,csv,png}`` with provenance; a table with the speed-ups over megatron
 and the in-place memory ratio is printed.
@@ -92,7 +94,7 @@ def _measure(
 ) -> list[Any]:
     import torch
 
-    from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+    from lck_runtime.benchmarking import Record, host_ms, peak_memory_mib, summarize, time_cuda, time_loop
 
     shape, dtype = f"{s}x{b}x{2 * n}", "bfloat16"
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -127,6 +129,10 @@ def _measure(
             rec.__dict__.update(summarize(times))
             restore()
             rec.peak_mib = peak_memory_mib(closure)
+            if name != "lck_in_place":  # back to back it would keep differentiating its own gradient
+                # What a training step sees when it calls the op repeatedly: host dispatch included.
+                rec.extra["loop_ms"] = time_loop(closure, iters=iters, warmup=2)
+                rec.extra["host_ms"] = host_ms(closure)
             moved = {"fwd": 3 * s * b * n * 2, "fwd_bwd": 3 * s * b * n * 2 + 5 * s * b * n * 2}[mode]
             rec.extra["gb_per_s"] = moved / (rec.median_ms * 1e-3) / 1e9
         except Exception as exc:
@@ -157,6 +163,7 @@ def summarize_records(records: list[Any]) -> tuple[list[str], dict[str, Any]]:
     by = {(r.provider, r.mode, r.extra.get("ffn_local")): r for r in records if r.error is None}
     lines = [
         f"{'ffn_local':>9} {'mode':>8} {'provider':>13} {'median ms':>10} {'peak MiB':>9} {'vs megatron':>12}"
+        f" {'loop ms':>8}"
     ]
     checks: dict[str, Any] = {}
     for n in sorted({r.extra.get("ffn_local") for r in records if r.extra.get("ffn_local")}):
@@ -167,8 +174,10 @@ def summarize_records(records: list[Any]) -> tuple[list[str], dict[str, Any]]:
                 if r is None:
                     continue
                 speed = f"{base.median_ms / r.median_ms:.2f}x" if base else "-"
+                loop = r.extra.get("loop_ms")
                 lines.append(
                     f"{n:>9} {mode:>8} {prov:>13} {r.median_ms:>10.3f} {r.peak_mib:>9.0f} {speed:>12}"
+                    f" {f'{loop:.3f}' if loop is not None else '-':>8}"
                 )
         lck, meg, inp = (by.get((p, "fwd_bwd", n)) for p in ("lck", "megatron", "lck_in_place"))
         if lck and meg:
@@ -178,6 +187,15 @@ def summarize_records(records: list[Any]) -> tuple[list[str], dict[str, Any]]:
                 speedup,
                 target,
                 target is None or speedup >= target,
+            )
+        loops = [r.extra.get("loop_ms") for r in (lck, meg) if r is not None]
+        if len(loops) == 2 and None not in loops:
+            # The same ratio for calls back to back without a head start: the host's dispatch cost counts
+            # (Megatron's figures in FACTS.md were taken this way; the GPU-time ratio above is the strict one).
+            checks[f"fwd_bwd speed-up at ffn_local={n}, back to back"] = (
+                loops[1] / loops[0],
+                SPEEDUP_TARGETS.get(n),
+                SPEEDUP_TARGETS.get(n) is None or loops[1] / loops[0] >= SPEEDUP_TARGETS[n],
             )
         if inp and meg:
             ratio = inp.peak_mib / meg.peak_mib

@@ -160,6 +160,51 @@ def time_cuda(
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def host_ms(fn: Callable[[], Any], *, iters: int = 20, warmup: int = 3) -> float | None:
+    """Median host milliseconds per call of ``fn``: Python, dispatch and launch cost, not GPU time.
+
+    The GPU is kept busy (a long spin is queued first) so no call waits for the device; ``fn`` must not
+    synchronise: one that does (a ``.item()``, a data-dependent shape) waits out the spin, and the result is
+    ``None`` rather than a number that is really GPU time (also when the calls outlast the ~0.1 s spin). When this exceeds the GPU time, a loop of
+    back-to-back calls runs at the host's pace, whatever the kernels' speed.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    spun = torch.cuda.Event()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spin: the host runs ahead of it for every call below
+    spun.record()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    # The spin ended inside the loop: a call waited for the GPU, or the calls outlasted the spin.
+    waited = spun.query()
+    torch.cuda.synchronize()
+    return None if waited else statistics.median(times)
+
+
+def time_loop(fn: Callable[[], Any], *, iters: int = 50, warmup: int = 5) -> float:
+    """Milliseconds per call of ``fn`` called back to back, as in a training loop: one pair of CUDA events
+    around ``iters`` calls, no L2 flush and no head start, so host dispatch gaps count when the host is
+    slower than the kernels (compare with :func:`time_cuda`, which measures the GPU alone)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 _FLUSH: dict[int, Any] = {}
 
 

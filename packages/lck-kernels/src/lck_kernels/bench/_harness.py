@@ -4,8 +4,9 @@ A suite module (``bench/<op>.py``) exposes ``cases(quick: bool) -> list[Case]``.
 random inputs and maps provider names to *builders*: ``builder(inputs) -> (fwd, fwd_bwd)`` closures,
 either of which may be ``None`` when a provider lacks that mode. Providers that are not installed
 (Liger-Kernel, megatron-core) are simply left out by the suite. The runner times each closure with
-CUDA events, measures peak memory above what was live before the call, and records errors instead of
-aborting the sweep.
+CUDA events (GPU time: L2 flushed, host dispatch hidden), measures peak memory above what was live before
+the call, the host's own cost per call and the time per call back to back (``host_ms``, ``loop_ms`` in a
+record's ``extra``), and records errors instead of aborting the sweep.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+from lck_runtime.benchmarking import Record, host_ms, peak_memory_mib, summarize, time_cuda, time_loop
 
 Closure = Callable[[], Any]
 Builder = Callable[[dict[str, Any]], tuple[Closure | None, Closure | None]]
@@ -70,6 +71,10 @@ def run_case(case: Case, *, modes: tuple[str, ...] = ("fwd", "fwd_bwd")) -> list
                 times = time_cuda(fn, warmup=case.warmup, iters=case.iters)
                 rec.__dict__.update(summarize(times))
                 rec.peak_mib = peak_memory_mib(fn)
+                # What a training loop sees besides GPU time: the host's cost per call, and back-to-back
+                # calls (slower than the GPU time when the host cannot keep ahead of the kernels).
+                rec.extra["host_ms"] = host_ms(fn, iters=min(case.iters, 20))
+                rec.extra["loop_ms"] = time_loop(fn, iters=case.iters, warmup=1)
                 if mode in case.bytes:
                     rec.extra["gb_per_s"] = case.bytes[mode] / (rec.median_ms * 1e-3) / 1e9
                 if mode in case.flops:
