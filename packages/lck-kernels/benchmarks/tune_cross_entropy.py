@@ -4,10 +4,10 @@
 
 At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``, most informative first:
 
-1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): the current default
-   (one program reads a whole row twice), then rows split over teams of 2, 4 or 8 programs (``split``:
-   ``_ce_fwd_split_kernel``, whose second read of a slice should hit L2) by tile, warps and programs per
-   SM; then eviction hints off and no look-ahead for the two best;
+1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): one program reads a
+   whole row twice, the second pass last tile first or first tile first (``reverse``), by tile, warps and
+   programs per SM; rows split over teams of 2 or 4 programs (``split``: ``_ce_fwd_split_kernel``); then
+   eviction hints off and no look-ahead for the two best;
 2. the whole ``cross_entropy`` forward+backward with the best configuration (target ≤ 1.30 ms);
 3. fused linear cross entropy at 8192 × 4096 → 128256: the time of each piece of one chunk (logits GEMM,
    row pass, the two gradient GEMMs, the weight-gradient GEMM accumulating or not), then forward+backward
@@ -131,12 +131,16 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
             return f"gradient differs by {((g - r).norm() / r.norm()).item():.2e}"
         return None
 
-    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1}
-    for p in ({**base, "programs_per_sm": 0, "split": 1}, {**base, "programs_per_sm": 1, "split": 1}):
-        sweep.run(kernel, p, grad_fn, 2 * nbytes, copy_rate, check=check)
-    grid = _grid(split=(4, 2, 8), block_bytes=(32768, 16384), warps=(32, 16), programs_per_sm=(1, 2, 0))
-    for p in grid:
-        sweep.run(kernel, {"prefetch": 1, "evict": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    # The second pass last tile first (reverse=1) against first tile first, then tiles and warps; teams
+    # (split) last: on 2026-11-30 they were slower at every size (2: 1.89 ms, 4: 2.45, 8: 3.7-5.9 against
+    # 1.54 without), the waits for partners' records costing more than the L2 hits gain.
+    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1}
+    for p in _grid(reverse=(1, 0), programs_per_sm=(0, 1)):
+        sweep.run(kernel, {**base, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    for p in _grid(block_bytes=(16384, 65536), warps=(32, 16), programs_per_sm=(0, 1)):
+        sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    for p in _grid(split=(2, 4), programs_per_sm=(1,)):
+        sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _best(sweep, kernel, 2):
         sweep.run(kernel, {**p, "evict": 0}, grad_fn, 2 * nbytes, copy_rate, check=check)
         sweep.run(kernel, {**p, "prefetch": 0}, grad_fn, 2 * nbytes, copy_rate, check=check)

@@ -253,6 +253,12 @@ def test_reference_matches_torch_reduced_loss():
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0},
         {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0},
+        {
+            "block_bytes": 256,
+            "programs_per_sm": 1,
+            "prefetch": 1,
+            "reverse": 0,
+        },  # second pass first tile first
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
@@ -262,7 +268,7 @@ def test_reference_matches_torch_reduced_loss():
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    loss_only = {k: v for k, v in params.items() if k != "split"}
+    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse")}
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
@@ -277,6 +283,26 @@ def test_tiled_rows_and_persistent_grids(params, poisoned):
         loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)  # the loss-only kernel
         ref = F.cross_entropy(logits.double(), target, reduction="none", label_smoothing=0.1)
         assert_close(loss, ref, torch.float32, name="loss without gradient")
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab"), [(9, 700), pytest.param(512, 128256, marks=pytest.mark.gpu, id="gpu")], ids=str
+)
+def test_gradient_pass_order_does_not_change_a_bit(rows, vocab):
+    """The loss+gradient kernel's second pass may walk a row's tiles last to first (for L2 reuse): every
+    element is computed by the same arithmetic either way, so loss and gradient are bit-identical."""
+    logits, target = make_case(rows, vocab, torch.bfloat16, seed=31)
+    out = {}
+    for reverse in (0, 1):
+        with tuning("cross_entropy_fwd_grad", reverse=reverse, block_bytes=512 if DEVICE == "cpu" else 32768):
+            assert ce_launch_config("cross_entropy_fwd_grad", rows, vocab, 2, torch.device(DEVICE))[
+                "REVERSE"
+            ] == bool(reverse)
+            x = logits.clone().requires_grad_(True)
+            loss = cross_entropy(x, target, label_smoothing=0.1)
+            (grad,) = torch.autograd.grad(loss, x)
+            out[reverse] = (loss, grad)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 def test_split_launch_config():

@@ -6,6 +6,7 @@ at real sizes on a CUDA device.
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import pytest
@@ -348,3 +349,48 @@ def test_torch_compile_fullgraph(backend, in_place):
     assert_close(loss_c, loss, torch.float32, name="loss")
     assert_close(got[0], eager[0], torch.float32, name="dx")
     assert_close(got[1], eager[1], torch.float32, name="dweight")
+
+
+def test_eager_calls_skip_the_dispatcher_and_keep_its_contract(monkeypatch):
+    """Plain eager calls run the op's body directly (the dispatcher's host cost is several times a small
+    kernel's GPU time); a dispatch mode, fake tensors or subclasses take the op. Both give the same bits, and
+    the in-place backward bumps the version of the buffer it overwrites either way."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lck_kernels._common import plain_eager
+
+    R = importlib.import_module("lck_kernels.rms_norm")  # the package's ``rms_norm`` is the function
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(5)
+    x = torch.randn(7, 48, device=DEVICE, requires_grad=True)
+    w = torch.randn(48, device=DEVICE, requires_grad=True)
+    dy = torch.randn(7, 48, device=DEVICE)
+    through_op = []
+    op = R._rms_norm_fwd.op
+    monkeypatch.setattr(R._rms_norm_fwd, "op", lambda *a: through_op.append(1) or op(*a))
+
+    assert plain_eager((x, w))
+    direct = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    assert through_op == []
+    with Passthrough():
+        assert not plain_eager((x, w))
+        dispatched = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    assert through_op == [1]
+    for a, b in zip(direct, dispatched):
+        assert torch.equal(a, b)
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(x.detach())
+    assert not plain_eager((fake,)), "a fake tensor outside its mode still takes the op"
+    with mode:
+        assert not plain_eager((fake,))
+
+    g = dy.clone()
+    _, rstd = R._rms_norm_fwd(x.detach(), w.detach(), 1e-6, 0.0, "llama")
+    before = g._version
+    R._rms_norm_bwd_(g, x.detach(), w.detach(), rstd, 0.0, "llama")
+    assert g._version > before, "the direct path must bump the version of the buffer it writes"

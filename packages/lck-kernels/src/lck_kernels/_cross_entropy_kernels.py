@@ -26,8 +26,10 @@ Kernels built from them:
   ``mean``, else 1), the same normalisation as ``torch.nn.functional.cross_entropy``.
 - ``_ce_fwd_kernel``: per row, stats → cross-entropy term, z-loss term, lse (and entropy); with ``GRAD`` a
   second pass writes the gradient right away, meant to re-read the row from L2. Measured on an H200 at
-  8192 × 128256 bf16 it mostly does not: one program per SM reading 256 KiB rows puts ~33 MiB of reads,
-  plus the streamed gradient, between a tile's two reads, close to the 50 MiB L2.
+  8192 × 128256 bf16, a forward second pass mostly does not: one program per SM reading 256 KiB rows puts
+  ~33 MiB of reads, plus the streamed gradient, between a tile's two reads, close to the 50 MiB L2, and
+  the oldest tile comes first. ``REVERSE`` (tuning key ``reverse``) walks the second pass last tile first,
+  so the tiles read most recently are reused first.
 - ``_ce_fwd_split_kernel`` (tuning key ``split``): the same loss and gradient with each row split over a
   *team* of ``SPLIT`` consecutive programs, each owning a contiguous, tile-aligned slice of the columns.
   A member computes its slice's statistics, publishes them as one record in a small zero-filled buffer,
@@ -174,8 +176,16 @@ def _ce_row_grad(
     ENTROPY: tl.constexpr,
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
-    for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
+    # REVERSE walks the tiles last to first: right after a statistics pass over the same row, the tiles
+    # read last are the likeliest still in L2, whereas a forward walk starts with the oldest.
+    n_tiles = tl.cdiv(n_cols, BLOCK)
+    for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+        if REVERSE:
+            start = (n_tiles - 1 - i) * BLOCK
+        else:
+            start = i * BLOCK
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         if EVICT:  # last use of the row, and the gradient is not read again here: stream both
@@ -323,6 +333,7 @@ def _ce_fwd_kernel(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
@@ -352,7 +363,7 @@ def _ce_fwd_kernel(
             _ce_row_grad(
                 x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
                 lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0)
 
@@ -478,7 +489,7 @@ def _ce_fwd_split_kernel(
             _ce_row_grad(
                 x_row + c0, grad_ptr + row64 * grad_stride + c0, c_len, t_chunk, weight_ptr + c0, scale,
                 softcap, lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0, mask=lead)
 
@@ -548,7 +559,7 @@ def _ce_bwd_kernel(
         _ce_row_grad(
             x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
             lse, ez, coef_p, coef_t, coef_w, ge,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False,
         )  # fmt: skip
 
 
@@ -607,10 +618,10 @@ def _rescale_kernel(ptr, n, n_blocks, factor_ptr, BLOCK: tl.constexpr):
 # ``_ce_fwd_split_kernel``, each program of a team reads and writes a contiguous slice of the row).
 # Defaults measured on an H200 at 8192 x 128256 bf16 (benchmarks/tune_cross_entropy.py, 2026-11-30).
 _DEFAULTS = {
-    # One read per element: small 256-thread programs, several per SM, so that one's reduction overlaps
-    # the others' loads (0.626 ms, 79% of the copy rate).
+    # One read per element: small 128-thread programs, many per SM, so that one's reduction overlaps the
+    # others' loads (0.617 ms, 80% of the copy rate; 8 KiB tiles × 8 warps 0.642 ms; H200, 2026-11-30).
     "cross_entropy_fwd": {
-        "block_bytes": 8192, "warps": 8, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
+        "block_bytes": 4096, "warps": 4, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
     },
     # 32 KiB tiles, 1024 threads, the next tile loaded before the current one is reduced, eviction hints
     # (1.55 ms: 64% of the copy rate counted as one read and one write). The second read of a 256 KiB row
@@ -618,7 +629,7 @@ _DEFAULTS = {
     # shrinks the data between a slice's two reads by the team size (see _ce_fwd_split_kernel).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1,
+        "split": 1, "reverse": 1,
     },
     # One read and one write per element (1.05 ms, 94% of the copy rate).
     "cross_entropy_bwd": {
@@ -668,6 +679,7 @@ def ce_launch_config(
         "PREFETCH": bool(cfg.get("prefetch", 0)),
         "SPLIT": split,
         "CHUNK": triton.cdiv(tiles, split) * block,
+        "REVERSE": bool(cfg.get("reverse", 0)),
     }
 
 

@@ -141,6 +141,7 @@ def launch_fwd(
         EVICT=cfg["EVICT"],
         NUM_STAGES=cfg["NUM_STAGES"],
         PREFETCH=cfg["PREFETCH"],
+        REVERSE=cfg["REVERSE"],
         num_warps=cfg["num_warps"],
     )
 

@@ -101,11 +101,13 @@ def _check_swiglu_inputs(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
     rows_view(op, "b", b)
 
 
-def elementwise_config(kernel: str, n_cols: int, element_size: int, *, tile: int = 4096) -> dict[str, int]:
+def elementwise_config(kernel: str, n_cols: int, element_size: int, *, tile: int = 2048) -> dict[str, int]:
     """``BLOCK_M`` × ``BLOCK_N`` tile (about ``tile`` elements, a row first) and ``num_warps`` for ``kernel``
     (``"swiglu_fwd"`` or ``"swiglu_bwd"``).
 
-    By default each thread gets whole 16-byte vectors. A tile always has at least one element per thread:
+    By default each thread gets two 16-byte vectors per tensor: on an H200 (2026-11-30) 2048-element tiles
+    × 4 warps ran the [8192, 2×4096] bf16 forward in 0.053 ms against 0.061 ms for 4096 × 4 (four vectors
+    per thread), and matched the best tried at [8192, 2×32768] within 1%. A tile always has at least one element per thread:
     Triton then lays it out without replication, so no element is held by two threads, which the in-place
     packed backward relies on (a replica could load an element after another thread overwrote it). Raises
     ``ValueError`` for an override that breaks that.
@@ -117,7 +119,7 @@ def elementwise_config(kernel: str, n_cols: int, element_size: int, *, tile: int
     defaults = {
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
-        "num_warps": min(full_vectors, warps_for(tile, element_size)),
+        "num_warps": min(full_vectors, 2 * warps_for(tile, element_size)),
     }
     cfg = tuned(kernel, defaults)
     if cfg["num_warps"] * 32 > cfg["BLOCK_M"] * cfg["BLOCK_N"]:
