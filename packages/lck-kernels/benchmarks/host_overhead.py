@@ -53,6 +53,69 @@ def _cases():
     ]
 
 
+def _breakdown() -> list[dict]:
+    """Host ms of each layer of one small op (packed SwiGLU at 8192 × 2·4096 bf16), inside out, with the
+    dispatcher path and two peers for scale."""
+    import importlib
+
+    import torch.nn.functional as F
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from lck_kernels import _common, swiglu_packed
+    from lck_kernels.swiglu import _swiglu_fwd_kernel, launch_fwd
+
+    sp = importlib.import_module("lck_kernels.swiglu_packed")
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    yd = y.detach()
+    dout = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    gate, up = yd[:, :4096], yd[:, 4096:]
+    out = torch.empty(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    grid = (8192 * 2,)
+
+    def raw():
+        _swiglu_fwd_kernel[grid](
+            gate, up, out, 8192, 4096, 8192, 8192, 4096, BLOCK_M=1, BLOCK_N=2048, num_warps=4
+        )
+
+    def impl():
+        with set_wrap_triton_enabled(False):
+            sp._fwd_impl(yd)
+
+    def eager_fwd_bwd():
+        a, b = y.chunk(2, -1)
+        return torch.autograd.grad(F.silu(a) * b, y, dout)
+
+    steps = [
+        ("raw Triton launch", raw),
+        ("launch_fwd (config + launch)", lambda: launch_fwd(gate, up, out)),
+        ("op body (checks, empty, launch)", impl),
+        ("torch.ops.lck.swiglu_packed_fwd (dispatcher)", lambda: torch.ops.lck.swiglu_packed_fwd(yd)),
+        ("swiglu_packed, no grad", lambda: swiglu_packed(yd)),
+        ("swiglu_packed, graph recorded", lambda: swiglu_packed(y)),
+        ("swiglu_packed fwd+bwd", lambda: torch.autograd.grad(swiglu_packed(y), y, dout)),
+        ("torch eager fwd+bwd", eager_fwd_bwd),
+    ]
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        def liger():
+            a, b = y.chunk(2, -1)
+            return torch.autograd.grad(LigerSiLUMulFunction.apply(a, b), y, dout)
+
+        steps.append(("Liger fwd+bwd (chunked halves)", liger))
+    except ImportError:
+        pass
+    rows = []
+    for name, fn in steps:
+        rows.append({"step": name, "host_ms": host_ms(fn, iters=50)})
+    _common.EagerOp.direct = False
+    rows.append(
+        {"step": "swiglu_packed fwd+bwd through the dispatcher", "host_ms": host_ms(steps[6][1], iters=50)}
+    )
+    _common.EagerOp.direct = True
+    return rows
+
+
 def _profile(fn, n: int = 200) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -85,11 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         if shape in ("16384x1024", "1024x32000"):
             profiles[f"{op} {shape}"] = _profile(fn)
+    breakdown = _breakdown()
+    print("\nhost ms per call, layer by layer (packed SwiGLU 8192 x 2*4096 bf16):")
+    for row in breakdown:
+        ms = row["host_ms"]
+        print(f"  {row['step']:<48} {ms if ms is not None else float('nan'):7.3f}")
     for name, text in profiles.items():
         print(f"\n--- cProfile of 200 x {name} forward+backward (own time first)\n{text}")
     path = args.out / f"host-overhead-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"provenance": provenance(), "rows": rows, "profiles": profiles}, indent=2))
+    path.write_text(
+        json.dumps(
+            {"provenance": provenance(), "rows": rows, "breakdown": breakdown, "profiles": profiles}, indent=2
+        )
+    )
     print("wrote", path)
     return 0
 

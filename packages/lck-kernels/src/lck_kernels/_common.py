@@ -307,11 +307,15 @@ class EagerOp:
     fake tensors, modes, subclasses, keyword arguments) takes the op.
     """
 
+    # Class-wide switch, for measuring the dispatcher's cost (benchmarks/host_overhead.py): False sends
+    # every call through the op.
+    direct: bool = True
+
     def __init__(self, op: Any, impl: Callable[..., Any], mutated: tuple[int, ...]):
         self.op, self._impl, self._mutated = op, impl, mutated
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or not plain_eager(args):
+        if kwargs or not EagerOp.direct or not plain_eager(args):
             return self.op(*args, **kwargs)
         with _set_wrap_triton_enabled(False):
             out = self._impl(*args)

@@ -287,18 +287,21 @@ def fwd_config(n_cols: int, element_size: int) -> dict[str, int]:
 def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     """Backward launch parameters; ``PROGRAMS_PER_SM`` sizes the persistent grid.
 
-    Half-precision rows up to 4096 wide use the look-ahead kernel (``PREFETCH``: the next rows load during
+    Half-precision rows up to 8192 wide use the look-ahead kernel (``PREFETCH``: the next rows load during
     this step's reduction). Measured on an H200 (2026-11-30, bf16, backward kernel alone): at 16384×4096,
     2 rows × 16 warps, one program per SM, 0.120 ms against 0.152 ms without look-ahead (2 rows × 8 warps
-    × 2 per SM); at 16384×1024, 2 rows × 4 warps × 8 per SM, 0.045 ms against 0.059 ms. Packing 4 rows of
-    4096 or 8 rows spilled registers (2.3–2.6 ms). Wider rows and float32 keep the earlier setting (no
-    look-ahead: its doubled input registers would not fit beside the fp32 ``dweight`` partials).
+    × 2 per SM); at 16384×1024, 2 rows × 4 warps × 8 per SM, 0.045 ms against 0.059 ms; at 16384×8192,
+    1 row × 8 warps × 2 per SM, 0.234 ms against 0.270 ms. Packing 4 rows of 4096 or 8 rows spilled
+    registers (2.3–2.6 ms). Wider rows and float32 keep the earlier setting (no look-ahead: its doubled
+    input registers would not fit beside the fp32 ``dweight`` partials).
     """
     block = row_block(n_cols, MAX_BLOCK)
     whole = block >= n_cols
     half = element_size <= 2  # measured in bf16; fp32 rows double the look-ahead's registers
     if whole and half and block == 4096:
         cfg = {"ROWS": 2, "num_warps": 16, "PROGRAMS_PER_SM": 1, "PREFETCH": 1}
+    elif whole and half and block == 8192:
+        cfg = {"ROWS": 1, "num_warps": 8, "PROGRAMS_PER_SM": 2, "PREFETCH": 1}
     elif whole and half and block < 4096:
         rows = max(1, min(16, 2048 // block))
         warps = min(32, 2 * warps_for(block, element_size, lo=2))

@@ -127,9 +127,10 @@ def time_cuda(
 
     ``flush_l2`` writes a 256 MiB buffer before each call, outside the timed region. It evicts the
     previous call's data from L2 (an H200 has 50 MB), so inputs come from HBM as in training, and it
-    then spins the GPU for ~0.5 ms while the host enqueues the call: without that head start, a
+    then spins the GPU for ~2.5 ms while the host enqueues the call: without that head start, a
     sub-0.1 ms kernel behind tens of microseconds of Python dispatch is timed as the host's launch
-    rate, not the kernel. Pass ``flush_l2=False`` to time end-to-end including dispatch gaps.
+    rate, not the kernel. (0.5 ms was too short: an autograd forward+backward of a small op costs 0.4 to
+    0.9 ms of host time on the H200 machine, measured with :func:`host_ms`.) Pass ``flush_l2=False`` to time end-to-end including dispatch gaps.
     """
     import torch
 
@@ -150,9 +151,9 @@ def time_cuda(
             barrier()
         if flush is not None:
             flush.zero_()
-            # ~0.5 ms of GPU spin outside the timed region: the host enqueues the call meanwhile, so
+            # ~2.5 ms of GPU spin outside the timed region: the host enqueues the call meanwhile, so
             # the events bracket GPU execution rather than host dispatch (the same for every provider).
-            torch.cuda._sleep(1_000_000)
+            torch.cuda._sleep(5_000_000)
         starts[i].record()
         fn()
         ends[i].record()
