@@ -55,6 +55,7 @@ run_stage() {
     kernels-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m "not multigpu" -k "${KSEL:?}" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
     kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --budget-s ${TUNE_BUDGET:-200} --out $W/tune-ce" ;;
+    ce-tune) timeout "$limit" python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --grad-only --budget-s ${TUNE_BUDGET:-200} --out "$W/tune-ce" ;;
     host) timeout "$limit" python3 packages/lck-kernels/benchmarks/host_overhead.py --out "$W/host" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;

@@ -6,7 +6,7 @@ At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``, most i
 
 1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): one program reads a
    whole row twice, the second pass last tile first or first tile first (``reverse``), by tile, warps and
-   programs per SM; rows split over teams of 2 or 4 programs (``split``: ``_ce_fwd_split_kernel``); then
+   programs per SM, and on a fraction of the SMs (``sm_pct``: fewer rows in flight); rows split over teams of 2 or 4 programs (``split``: ``_ce_fwd_split_kernel``); then
    eviction hints off and no look-ahead for the two best;
 2. the whole ``cross_entropy`` forward+backward with the best configuration (target ≤ 1.30 ms);
 3. fused linear cross entropy at 8192 × 4096 → 128256: the time of each piece of one chunk (logits GEMM,
@@ -139,6 +139,9 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
         sweep.run(kernel, {**base, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _grid(block_bytes=(16384, 65536), warps=(32, 16), programs_per_sm=(0, 1)):
         sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    # Fewer rows in flight (a persistent grid on a fraction of the SMs): the re-read's working set shrinks.
+    for p in _grid(sm_pct=(50, 75, 35), reverse=(0, 1)):
+        sweep.run(kernel, {**base, "programs_per_sm": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _grid(split=(2, 4), programs_per_sm=(1,)):
         sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _best(sweep, kernel, 2):
@@ -312,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=120.0, help="stop starting new configurations after this"
     )
+    parser.add_argument(
+        "--grad-only", action="store_true", help="only step 1 and 2 (the loss+gradient kernel, ~1 minute)"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print("tune_cross_entropy: needs a CUDA GPU", file=sys.stderr)
@@ -322,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     logits, target = _ce_inputs()
     best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target)}
     _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
+    if args.grad_only:
+        stem = f"tune-cross-entropy-grad-{gpu_slug()}-{_dt.date.today().isoformat()}"
+        write_results(sweep.records, args.out, stem, meta={"copy_rate_bytes_per_s": copy_rate, "best": best})
+        print("best cross_entropy_fwd_grad:", best["cross_entropy_fwd_grad"])
+        return 0
     del logits
     torch.cuda.empty_cache()
     gen = torch.Generator("cuda").manual_seed(1)

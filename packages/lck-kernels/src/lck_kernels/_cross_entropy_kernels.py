@@ -630,7 +630,7 @@ _DEFAULTS = {
     # shrinks the data between a slice's two reads by the team size (see _ce_fwd_split_kernel).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0,
+        "split": 1, "reverse": 0, "sm_pct": 100,
     },
     # One read and one write per element (1.05 ms, 94% of the copy rate).
     "cross_entropy_bwd": {
@@ -670,7 +670,10 @@ def ce_launch_config(
     tiles = triton.cdiv(n_cols, block)
     split = min(_floor_power_of_2(cfg.get("split", 1)), _floor_power_of_2(tiles), MAX_SPLIT)
     split = min(split, _floor_power_of_2(sms))  # a team must fit the GPU at once
-    teams = n_rows if per_sm <= 0 else min(n_rows, max(1, per_sm * sms // split))
+    # sm_pct < 100 (persistent grids only): fewer programs than SMs, so fewer rows in flight between a tile's
+    # two reads (a smaller L2 working set) at the price of fewer SMs streaming.
+    pct = max(1, min(100, cfg.get("sm_pct", 100)))
+    teams = n_rows if per_sm <= 0 else min(n_rows, max(1, per_sm * sms * pct // 100 // split))
     return {
         "BLOCK": block,
         "num_warps": warps,
