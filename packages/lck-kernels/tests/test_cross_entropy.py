@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from _tolerances import TOL, assert_close, poison
 
-from lck_kernels._common import interpreting, tuning
+from lck_kernels._common import interpreting, num_sms, tuning
 from lck_kernels._cross_entropy_kernels import ce_launch_config
 from lck_kernels.cross_entropy import LckCrossEntropyLoss, cross_entropy
 
@@ -259,12 +259,9 @@ def test_reference_matches_torch_reduced_loss():
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0},
         {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0},
-        {
-            "block_bytes": 256,
-            "programs_per_sm": 1,
-            "prefetch": 1,
-            "reverse": 0,
-        },  # second pass first tile first
+        # the second pass last tile first; a persistent grid on half the SMs
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "reverse": 1},
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "sm_pct": 50},
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
@@ -274,11 +271,13 @@ def test_reference_matches_torch_reduced_loss():
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse")}
+    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse", "sm_pct")}
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
         assert cfg["PREFETCH"] == bool(params["prefetch"]) and cfg["SPLIT"] == params.get("split", 1)
+        if "sm_pct" in params:  # one program per SM on a fraction of the SMs (4 stand-in SMs on CPU)
+            assert cfg["grid"][0] == max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100)
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
         check_against_reference(11, 500, torch.float32, "none", seed=6, **_options("plain", 500))
         if cfg["SPLIT"] > 1:  # each program overwrites only its own slice of the row
