@@ -137,11 +137,24 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
     base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1}
     for p in _grid(reverse=(1, 0), programs_per_sm=(0, 1)):
         sweep.run(kernel, {**base, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    # One program per SM streams only what it has in flight (on 2026-11-30 half the SMs took 1.83x the
+    # time): a deeper look-ahead (prefetch=2) and a look-ahead in the gradient pass (grad_ahead) raise a
+    # program's bandwidth, so fewer rows in flight (sm_pct < 100: a smaller L2 working set between a
+    # tile's two reads) might keep the HBM busy while the re-read hits L2.
+    deep = {**base, "prefetch": 2, "grad_ahead": 1}
+    for p in _grid(sm_pct=(100, 75, 50), block_bytes=(32768, 16384)):
+        sweep.run(kernel, {**deep, "programs_per_sm": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    sweep.run(kernel, {**deep, "programs_per_sm": 0}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    sweep.run(
+        kernel, {**base, "grad_ahead": 1, "programs_per_sm": 0}, grad_fn, 2 * nbytes, copy_rate, check=check
+    )
+    sweep.run(
+        kernel, {**base, "prefetch": 2, "programs_per_sm": 0}, grad_fn, 2 * nbytes, copy_rate, check=check
+    )
+    for p in _grid(sm_pct=(50, 75), reverse=(0, 1)):
+        sweep.run(kernel, {**base, "programs_per_sm": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _grid(block_bytes=(16384, 65536), warps=(32, 16), programs_per_sm=(0, 1)):
         sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
-    # Fewer rows in flight (a persistent grid on a fraction of the SMs): the re-read's working set shrinks.
-    for p in _grid(sm_pct=(50, 75, 35), reverse=(0, 1)):
-        sweep.run(kernel, {**base, "programs_per_sm": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _grid(split=(2, 4), programs_per_sm=(1,)):
         sweep.run(kernel, {**base, "reverse": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     for p in _best(sweep, kernel, 2):

@@ -262,6 +262,9 @@ def test_reference_matches_torch_reduced_loss():
         # the second pass last tile first; a persistent grid on half the SMs
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "reverse": 1},
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "sm_pct": 50},
+        # two tiles of look-ahead in the statistics pass, one in the gradient pass (forward and reversed)
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 2, "grad_ahead": 1},
+        {"block_bytes": 256, "programs_per_sm": 0, "prefetch": 2, "grad_ahead": 1, "reverse": 1},
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
@@ -271,11 +274,11 @@ def test_reference_matches_torch_reduced_loss():
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse", "sm_pct")}
+    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse", "sm_pct", "grad_ahead")}
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
-        assert cfg["PREFETCH"] == bool(params["prefetch"]) and cfg["SPLIT"] == params.get("split", 1)
+        assert cfg["PREFETCH"] == params["prefetch"] and cfg["SPLIT"] == params.get("split", 1)
         if "sm_pct" in params:  # one program per SM on a fraction of the SMs (4 stand-in SMs on CPU)
             assert cfg["grid"][0] == max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100)
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))

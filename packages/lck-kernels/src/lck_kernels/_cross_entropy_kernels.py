@@ -100,6 +100,16 @@ def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr
 
 
 @triton.jit
+def _ce_grad_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    # A tile of the gradient pass (the row's last use: streamed when EVICT); nothing outside [0, n_cols).
+    cols = start + tl.arange(0, BLOCK)
+    mask = (cols >= 0) & (cols < n_cols)
+    if EVICT:
+        return tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(x_row + cols, mask=mask, other=0.0)
+
+
+@triton.jit
 def _ce_row_stats(
     x_row,
     n_cols,
@@ -125,12 +135,20 @@ def _ce_row_stats(
     s = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((), tl.float32)
-    if PREFETCH:  # one tile of look-ahead: the next load is in flight during this tile's reduction
+    # PREFETCH tiles of look-ahead (0, 1 or 2): the next loads are in flight during this tile's reduction.
+    # One program per SM streams only what it has in flight, so depth sets a program's bandwidth.
+    if PREFETCH >= 1:
         x_next = _ce_load_tile(x_row, 0, n_cols, BLOCK, EVICT)
+    if PREFETCH >= 2:
+        x_next2 = _ce_load_tile(x_row, BLOCK, n_cols, BLOCK, EVICT)
     for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if PREFETCH:
+        if PREFETCH >= 2:
+            x = x_next
+            x_next = x_next2
+            x_next2 = _ce_load_tile(x_row, start + 2 * BLOCK, n_cols, BLOCK, EVICT)
+        elif PREFETCH == 1:
             x = x_next
             x_next = _ce_load_tile(x_row, start + BLOCK, n_cols, BLOCK, EVICT)
         else:
@@ -178,21 +196,28 @@ def _ce_row_grad(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     # REVERSE walks the tiles last to first: right after a statistics pass over the same row, the tiles
-    # read last are the likeliest still in L2, whereas a forward walk starts with the oldest.
+    # read last are the likeliest still in L2, whereas a forward walk starts with the oldest. AHEAD loads
+    # the next tile while this one is computed and stored.
     n_tiles = tl.cdiv(n_cols, BLOCK)
+    if AHEAD:
+        x_next = _ce_grad_tile(x_row, (n_tiles - 1) * BLOCK if REVERSE else 0, n_cols, BLOCK, EVICT)
     for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
         if REVERSE:
             start = (n_tiles - 1 - i) * BLOCK
+            after = start - BLOCK
         else:
             start = i * BLOCK
+            after = start + BLOCK
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if EVICT:  # last use of the row, and the gradient is not read again here: stream both
-            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        if AHEAD:
+            x = x_next
+            x_next = _ce_grad_tile(x_row, after, n_cols, BLOCK, EVICT)
         else:
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            x = _ce_grad_tile(x_row, start, n_cols, BLOCK, EVICT)
         z = _ce_logit(x, scale, softcap, HAS_SOFTCAP)
         p = tl.exp(z - lse)
         d = p * coef_p
@@ -335,6 +360,7 @@ def _ce_fwd_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
     REVERSE: tl.constexpr,
+    GRAD_AHEAD: tl.constexpr,
 ):
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
@@ -364,7 +390,7 @@ def _ce_fwd_kernel(
             _ce_row_grad(
                 x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
                 lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE, GRAD_AHEAD,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0)
 
@@ -490,7 +516,7 @@ def _ce_fwd_split_kernel(
             _ce_row_grad(
                 x_row + c0, grad_ptr + row64 * grad_stride + c0, c_len, t_chunk, weight_ptr + c0, scale,
                 softcap, lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False, False,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0, mask=lead)
 
@@ -560,7 +586,7 @@ def _ce_bwd_kernel(
         _ce_row_grad(
             x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
             lse, ez, coef_p, coef_t, coef_w, ge,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False, False,
         )  # fmt: skip
 
 
@@ -630,7 +656,7 @@ _DEFAULTS = {
     # shrinks the data between a slice's two reads by the team size (see _ce_fwd_split_kernel).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0, "sm_pct": 100,
+        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0,
     },
     # One read and one write per element (1.05 ms, 94% of the copy rate).
     "cross_entropy_bwd": {
@@ -680,10 +706,11 @@ def ce_launch_config(
         "grid": (max(1, teams) * split,),
         "EVICT": bool(cfg["evict"]),
         "NUM_STAGES": max(1, cfg["stages"]),
-        "PREFETCH": bool(cfg.get("prefetch", 0)),
+        "PREFETCH": max(0, min(2, int(cfg.get("prefetch", 0)))),
         "SPLIT": split,
         "CHUNK": triton.cdiv(tiles, split) * block,
         "REVERSE": bool(cfg.get("reverse", 0)),
+        "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
     }
 
 

@@ -142,6 +142,7 @@ def launch_fwd(
         NUM_STAGES=cfg["NUM_STAGES"],
         PREFETCH=cfg["PREFETCH"],
         REVERSE=cfg["REVERSE"],
+        GRAD_AHEAD=cfg["GRAD_AHEAD"],
         num_warps=cfg["num_warps"],
     )
 
