@@ -651,9 +651,10 @@ _DEFAULTS = {
         "block_bytes": 4096, "warps": 4, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
     },
     # 32 KiB tiles, 1024 threads, the next tile loaded before the current one is reduced, eviction hints
-    # (1.55 ms: 64% of the copy rate counted as one read and one write). The second read of a 256 KiB row
-    # mostly misses L2: ~132 rows in flight plus the streamed gradient approach the 50 MiB L2. split > 1
-    # shrinks the data between a slice's two reads by the team size (see _ce_fwd_split_kernel).
+    # (1.51–1.57 ms: 63–66% of the copy rate counted as one read and one write). The second read of a
+    # 256 KiB row mostly misses L2. Each knob meant to make it hit was measured slower on an H200
+    # (2026-11-30, ms): reverse 1.60, split 2/4 1.84/2.40, sm_pct 75/50 1.88/2.76, prefetch 2 1.69,
+    # grad_ahead 1.62 (one program per SM is paced by its per-tile reduction, so fewer SMs stream less).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
         "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0,
