@@ -92,11 +92,20 @@ def _ce_logit(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+def _ce_logit2(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    # The logit in base 2, z·log2(e), for exp2: without a cap, log2(e) folds into the scale multiply the
+    # logit needs anyway (exp would multiply by log2(e) again inside, one more op per element).
+    if HAS_SOFTCAP:
+        return _ce_logit(x, scale, softcap, HAS_SOFTCAP) * 1.4426950408889634
+    return x.to(tl.float32) * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr, OTHER: tl.constexpr):
     cols = start + tl.arange(0, BLOCK)
     if EVICT:  # keep the row in L2 for the gradient pass that follows
-        return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
-    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
+        return tl.load(x_row + cols, mask=cols < n_cols, other=OTHER, eviction_policy="evict_last")
+    return tl.load(x_row + cols, mask=cols < n_cols, other=OTHER)
 
 
 @triton.jit
@@ -128,49 +137,54 @@ def _ce_row_stats(
 ):
     # One block-wide reduction per tile (the maximum): the exp sums stay per lane until the end of the
     # row, rescaled by a per-tile scalar. The smoothing sum is reduced per tile instead: a third per-lane
-    # accumulator would spill registers at 32 warps.
+    # accumulator would spill registers at 32 warps. The loop works in base 2 (z2 = z·log2 e, m2, exp2),
+    # and without a soft cap, lanes past the row end load as -inf, so no per-element select is needed:
+    # the loop is close to ALU-bound at one row per program, and each op per element shows.
     # A finite start (not -inf), so a tile of -inf logits never computes (-inf) - (-inf). A literal rather
     # than a module constant: Inductor recompiles user kernels from source, globals included or not.
+    OTHER: tl.constexpr = 0.0 if HAS_SOFTCAP else float("-inf")
     m = tl.full((), -3.0e38, tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
     sw = tl.zeros((), tl.float32)
     # PREFETCH tiles of look-ahead (0, 1 or 2): the next loads are in flight during this tile's reduction.
-    # One program per SM streams only what it has in flight, so depth sets a program's bandwidth.
     if PREFETCH >= 1:
-        x_next = _ce_load_tile(x_row, 0, n_cols, BLOCK, EVICT)
+        x_next = _ce_load_tile(x_row, 0, n_cols, BLOCK, EVICT, OTHER)
     if PREFETCH >= 2:
-        x_next2 = _ce_load_tile(x_row, BLOCK, n_cols, BLOCK, EVICT)
+        x_next2 = _ce_load_tile(x_row, BLOCK, n_cols, BLOCK, EVICT, OTHER)
     for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
         if PREFETCH >= 2:
             x = x_next
             x_next = x_next2
-            x_next2 = _ce_load_tile(x_row, start + 2 * BLOCK, n_cols, BLOCK, EVICT)
+            x_next2 = _ce_load_tile(x_row, start + 2 * BLOCK, n_cols, BLOCK, EVICT, OTHER)
         elif PREFETCH == 1:
             x = x_next
-            x_next = _ce_load_tile(x_row, start + BLOCK, n_cols, BLOCK, EVICT)
+            x_next = _ce_load_tile(x_row, start + BLOCK, n_cols, BLOCK, EVICT, OTHER)
         else:
-            x = _ce_load_tile(x_row, start, n_cols, BLOCK, EVICT)
-        z = tl.where(mask, _ce_logit(x, scale, softcap, HAS_SOFTCAP), float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 0))
-        e = tl.exp(z - m_new)
-        alpha = tl.exp(m - m_new)
+            x = _ce_load_tile(x_row, start, n_cols, BLOCK, EVICT, OTHER)
+        z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:  # the cap maps -inf to -softcap: mask past the row end explicitly
+            z2 = tl.where(cols < n_cols, z2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z2, 0))
+        e = tl.exp2(z2 - m_new)
+        alpha = tl.exp2(m - m_new)
         s = s * alpha + e
         if ENTROPY:
-            q = q * alpha + tl.where(e > 0.0, e * z, 0.0)
+            q = q * alpha + tl.where(e > 0.0, e * z2, 0.0)
         if SMOOTH:
+            mask = cols < n_cols
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sw += tl.sum(tl.where(mask, w * z, 0.0), 0)
+                sw += tl.sum(tl.where(mask, w * z2, 0.0), 0)
             else:
-                sw += tl.sum(tl.where(mask, z, 0.0), 0)
+                sw += tl.sum(tl.where(mask, z2, 0.0), 0)
         m = m_new
     has_t = t_local >= 0
     xt = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
     zt = tl.where(has_t, _ce_logit(xt, scale, softcap, HAS_SOFTCAP), 0.0)
-    return m, tl.sum(s, 0), tl.sum(q, 0), sw, zt
+    ln2 = 0.6931471805599453
+    return m * ln2, tl.sum(s, 0), tl.sum(q, 0) * ln2, sw * ln2, zt
 
 
 @triton.jit
@@ -201,6 +215,7 @@ def _ce_row_grad(
     # REVERSE walks the tiles last to first: right after a statistics pass over the same row, the tiles
     # read last are the likeliest still in L2, whereas a forward walk starts with the oldest. AHEAD loads
     # the next tile while this one is computed and stored.
+    lse2 = lse * 1.4426950408889634  # base 2, as _ce_logit2
     n_tiles = tl.cdiv(n_cols, BLOCK)
     if AHEAD:
         x_next = _ce_grad_tile(x_row, (n_tiles - 1) * BLOCK if REVERSE else 0, n_cols, BLOCK, EVICT)
@@ -218,9 +233,11 @@ def _ce_row_grad(
             x_next = _ce_grad_tile(x_row, after, n_cols, BLOCK, EVICT)
         else:
             x = _ce_grad_tile(x_row, start, n_cols, BLOCK, EVICT)
-        z = _ce_logit(x, scale, softcap, HAS_SOFTCAP)
-        p = tl.exp(z - lse)
+        z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
+        p = tl.exp2(z2 - lse2)
         d = p * coef_p
+        if ENTROPY or HAS_SOFTCAP:
+            z = z2 * 0.6931471805599453
         if ENTROPY:
             d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
         if SMOOTH:
