@@ -5,8 +5,8 @@ MLP really passes, ``[s, b, 2·ffn_local]`` bfloat16 (gate then up), at S=2048, 
 32768: forward and forward+backward median milliseconds (CUDA events, fixed iteration counts; GPU time,
 with the host's dispatch hidden), the same back to back as a training loop calls it (``loop_ms``, host
 dispatch included, and the host's own cost ``host_ms``), and the peak memory of one forward+backward above
-what was live before it. Each provider's output and input
-gradient are checked once against torch eager before it is timed. Results go to
+what was live before it. Each provider's output and input gradient are checked once against torch eager
+before it is timed. Results go to
 ``<out>/swiglu-<gpu>-<date>.{json,csv,png}`` with provenance; a table with the speed-ups over megatron
 and the in-place memory ratio is printed.
 """
@@ -158,6 +158,12 @@ def _check(name: str, fn: Callable[[Any], Any], y: Any, pristine: Any, dout: Any
             raise AssertionError(f"{name}: {what} differs from torch eager (relative error {err:.2e})")
 
 
+def _speedup(n: int, ours: float, theirs: float) -> tuple[float, float | None, bool]:
+    """(megatron / lck, the target at ffn_local ``n`` or None, met)."""
+    target = SPEEDUP_TARGETS.get(n)
+    return theirs / ours, target, target is None or theirs / ours >= target
+
+
 def summarize_records(records: list[Any]) -> tuple[list[str], dict[str, Any]]:
     """Table lines and the checks against the targets, from the records of one run."""
     by = {(r.provider, r.mode, r.extra.get("ffn_local")): r for r in records if r.error is None}
@@ -181,22 +187,12 @@ def summarize_records(records: list[Any]) -> tuple[list[str], dict[str, Any]]:
                 )
         lck, meg, inp = (by.get((p, "fwd_bwd", n)) for p in ("lck", "megatron", "lck_in_place"))
         if lck and meg:
-            target = SPEEDUP_TARGETS.get(n)
-            speedup = meg.median_ms / lck.median_ms
-            checks[f"fwd_bwd speed-up at ffn_local={n}"] = (
-                speedup,
-                target,
-                target is None or speedup >= target,
-            )
-        loops = [r.extra.get("loop_ms") for r in (lck, meg) if r is not None]
-        if len(loops) == 2 and None not in loops:
+            checks[f"fwd_bwd speed-up at ffn_local={n}"] = _speedup(n, lck.median_ms, meg.median_ms)
             # The same ratio for calls back to back without a head start: the host's dispatch cost counts
             # (Megatron's figures in FACTS.md were taken this way; the GPU-time ratio above is the strict one).
-            checks[f"fwd_bwd speed-up at ffn_local={n}, back to back"] = (
-                loops[1] / loops[0],
-                SPEEDUP_TARGETS.get(n),
-                SPEEDUP_TARGETS.get(n) is None or loops[1] / loops[0] >= SPEEDUP_TARGETS[n],
-            )
+            loops = lck.extra.get("loop_ms"), meg.extra.get("loop_ms")
+            if None not in loops:
+                checks[f"fwd_bwd speed-up at ffn_local={n}, back to back"] = _speedup(n, *loops)
         if inp and meg:
             ratio = inp.peak_mib / meg.peak_mib
             checks[f"in-place peak memory / megatron at ffn_local={n}"] = (

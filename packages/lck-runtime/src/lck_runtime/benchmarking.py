@@ -130,7 +130,8 @@ def time_cuda(
     then spins the GPU for ~2.5 ms while the host enqueues the call: without that head start, a
     sub-0.1 ms kernel behind tens of microseconds of Python dispatch is timed as the host's launch
     rate, not the kernel. (0.5 ms was too short: an autograd forward+backward of a small op costs 0.4 to
-    0.9 ms of host time on the H200 machine, measured with :func:`host_ms`.) Pass ``flush_l2=False`` to time end-to-end including dispatch gaps.
+    0.9 ms of host time on the H200 machine, measured with :func:`host_ms`.) For the time back to back,
+    dispatch gaps included, use :func:`time_loop`.
     """
     import torch
 
@@ -165,9 +166,9 @@ def host_ms(fn: Callable[[], Any], *, iters: int = 20, warmup: int = 3) -> float
     """Median host milliseconds per call of ``fn``: Python, dispatch and launch cost, not GPU time.
 
     The GPU is kept busy (a long spin is queued first) so no call waits for the device; ``fn`` must not
-    synchronise: one that does (a ``.item()``, a data-dependent shape) waits out the spin, and the result is
-    ``None`` rather than a number that is really GPU time (also when the calls outlast the ~0.1 s spin). When this exceeds the GPU time, a loop of
-    back-to-back calls runs at the host's pace, whatever the kernels' speed.
+    synchronise: one that does (a ``.item()``, a data-dependent shape) waits out the spin, and the result
+    is ``None`` rather than a number that is really GPU time (also when the calls outlast the ~0.1 s spin).
+    When this exceeds the GPU time, back-to-back calls run at the host's pace, whatever the kernels' speed.
     """
     import torch
 
