@@ -107,7 +107,7 @@ def _ce_inputs():
     return logits, target
 
 
-def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
+def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bool = False) -> dict:
     import lck_kernels.cross_entropy  # noqa: F401  (registers torch.ops.lck.cross_entropy_*)
 
     nbytes = logits.numel() * logits.element_size()
@@ -115,9 +115,13 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
     print("1. loss + gradient in one kernel (cross_entropy_fwd_grad)", flush=True)
     grad_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", True)
     kernel = "cross_entropy_fwd_grad"
-    # Every configuration must reproduce the default's loss and gradient (the split kernel's teams
-    # cooperate through memory: a scheduling or ordering fault shows up as NaN or wrong rows here).
-    ref_loss, _, _, ref_grad, _ = grad_fn()
+    # Every configuration must reproduce the Triton default's loss and gradient (the split kernel's teams
+    # and the CUDA kernel's clusters cooperate through memory: a scheduling or ordering fault shows up as
+    # NaN or wrong rows here).
+    from lck_kernels._common import tuning
+
+    with tuning(kernel, cuda=0):
+        ref_loss, _, _, ref_grad, _ = grad_fn()
     rows = torch.arange(0, N, 97, device=logits.device)
 
     def check() -> str | None:
@@ -131,10 +135,19 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target) -> dict:
             return f"gradient differs by {((g - r).norm() / r.norm()).item():.2e}"
         return None
 
+    # The CUDA cluster kernel (one read of each row, kept in shared memory): blocks per row and threads per
+    # block. 8 blocks of 512 threads fit two blocks per SM; 4 blocks use 128 KiB of shared memory, one per SM.
+    for p in _grid(cluster=(4, 8), threads=(1024, 512, 256)):
+        sweep.run(kernel, {"cuda": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1, "cuda": 0}
+    if quick:  # the Triton kernel's default only (its full sweep: tune-cross-entropy-h200-2026-11-30.json)
+        sweep.run(
+            kernel, {**base, "reverse": 0, "programs_per_sm": 0}, grad_fn, 2 * nbytes, copy_rate, check=check
+        )
+        return (_best(sweep, kernel) or [{}])[0]
     # The second pass last tile first (reverse=1) against first tile first, then tiles and warps; teams
     # (split) last: on 2026-11-30 they were slower at every size (2: 1.89 ms, 4: 2.45, 8: 3.7-5.9 against
     # 1.54 without), the waits for partners' records costing more than the L2 hits gain.
-    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1}
     for p in _grid(reverse=(1, 0), programs_per_sm=(0, 1)):
         sweep.run(kernel, {**base, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     # One program per SM streams only what it has in flight (on 2026-11-30 half the SMs took 1.83x the
@@ -329,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=120.0, help="stop starting new configurations after this"
     )
     parser.add_argument(
-        "--grad-only", action="store_true", help="only step 1 and 2 (the loss+gradient kernel, ~1 minute)"
+        "--grad-only",
+        action="store_true",
+        help="only steps 1 and 2, step 1 for the CUDA kernel and the Triton default (~1 minute)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device-to-device copy: {copy_rate / 1e9:.0f} GB/s", flush=True)
     sweep = Sweep(args.budget_s)
     logits, target = _ce_inputs()
-    best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target)}
+    best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target, quick=args.grad_only)}
     _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
     if args.grad_only:
         stem = f"tune-cross-entropy-grad-{gpu_slug()}-{_dt.date.today().isoformat()}"

@@ -302,7 +302,8 @@ def test_gradient_pass_order_does_not_change_a_bit(rows, vocab):
     logits, target = make_case(rows, vocab, torch.bfloat16, seed=31)
     out = {}
     for reverse in (0, 1):
-        with tuning("cross_entropy_fwd_grad", reverse=reverse, block_bytes=512 if DEVICE == "cpu" else 32768):
+        block = 512 if DEVICE == "cpu" else 32768
+        with tuning("cross_entropy_fwd_grad", reverse=reverse, block_bytes=block, cuda=0):
             assert ce_launch_config("cross_entropy_fwd_grad", rows, vocab, 2, torch.device(DEVICE))[
                 "REVERSE"
             ] == bool(reverse)
@@ -365,7 +366,7 @@ def test_split_kernel_gives_up_instead_of_hanging():
 )
 def test_split_rows_match_float64_reference_gpu(params, poisoned):
     """Teams of programs that wait for each other inside one launch (the GPU form of the split kernel)."""
-    with tuning("cross_entropy_fwd_grad", **params):
+    with tuning("cross_entropy_fwd_grad", cuda=0, **params):  # the Triton kernel, not the CUDA cluster one
         cfg = ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))
         assert cfg["SPLIT"] == params["split"], cfg
         check_against_reference(

@@ -213,7 +213,7 @@ def test_tuning_knobs_overlap_and_split_rows_gpu(reduction, poisoned):
     """The tuning script's variants: row passes on a side stream between the GEMMs of neighbouring chunks
     (``overlap``; gradients in the forward for mean, the recompute backward for none), with the rows split
     over teams of programs writing the gradient into the logits chunk (``split``)."""
-    with tuning("fused_linear_cross_entropy", overlap=1), tuning("cross_entropy_fwd_grad", split=4):
+    with tuning("fused_linear_cross_entropy", overlap=1), tuning("cross_entropy_fwd_grad", split=4, cuda=0):
         check_against_reference(
             5000, 4096, 128256, torch.bfloat16, reduction, seed=9, **_options("smoothing_z", 128256)
         )

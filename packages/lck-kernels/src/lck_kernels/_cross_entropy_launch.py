@@ -15,6 +15,7 @@ import triton
 
 from lck_kernels import _cross_entropy_kernels as k
 from lck_kernels._common import interpreting, launcher, num_sms
+from lck_kernels._cross_entropy_cuda import try_launch
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,13 @@ def launch_fwd(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
+    if grad is not None and logits.is_cuda and applied is not None:
+        # The CUDA cluster kernel (one read of the logits instead of two) where it applies.
+        if try_launch(
+            logits, target, red, opts, loss=loss, lse=lse, zloss=zloss, grad=grad, applied=applied,
+            has_class_weight=class_weight is not None, entropy=entropy is not None,
+        ):  # fmt: skip
+            return
     name = "cross_entropy_fwd_grad" if grad is not None else "cross_entropy_fwd"
     cfg = k.ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()

@@ -432,9 +432,33 @@ class Kernel:
                         f"{self.name}.launch: args[{i}] is {_KIND_NAMES[k]} ({_KIND_BYTES[k]} bytes) but parameter "
                         f"{i} of {self.kernel} is {s} bytes"
                     )
-        host = self._host
-        assert host is not None
+        self._opt_in_shared(dev, func, shared_mem)
+        call(self._host, "launch", dev, func, g, b, shared_mem, handle, kinds, values, cooperative, c)
+
+    def _opt_in_shared(self, dev: int, func: int, shared_mem: int) -> None:
         if shared_mem > _DEFAULT_SHARED_LIMIT and shared_mem > self._smem_optin.get(dev, 0):
-            call(host, "set_attribute", dev, func, _ATTR_MAX_DYNAMIC_SHARED, shared_mem)
+            call(self._host, "set_attribute", dev, func, _ATTR_MAX_DYNAMIC_SHARED, shared_mem)
             self._smem_optin[dev] = shared_mem
-        call(host, "launch", dev, func, g, b, shared_mem, handle, kinds, values, cooperative, c)
+
+    def max_active_clusters(
+        self,
+        block: int | tuple[int, ...],
+        cluster: int | tuple[int, ...],
+        *,
+        shared_mem: int = 0,
+        device: int | None = None,
+    ) -> int | None:
+        """Clusters of ``cluster`` blocks that can be resident on ``device`` at once with this block size and
+        dynamic shared memory (``cuOccupancyMaxActiveClusters``): a persistent grid of at most that many
+        clusters never waits for an SM. ``None`` when the driver cannot tell (older than CUDA 12.0)."""
+        b = _dims(block, "block")
+        c = _dims(cluster, "cluster")
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
+            raise ValueError(
+                f"max_active_clusters: shared_mem must be a non-negative int, got {shared_mem!r}"
+            )
+        dev = self._device(device)
+        func, _ = self._load(dev)
+        self._opt_in_shared(dev, func, shared_mem)
+        n = call(self._host, "max_active_clusters", dev, func, b, shared_mem, c)
+        return None if n < 0 else int(n)

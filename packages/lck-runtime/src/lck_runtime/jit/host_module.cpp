@@ -54,6 +54,8 @@ struct Driver {
   decltype(&::cuGetErrorString) getErrorString = nullptr;
   // Optional: CUDA >= 12.4 drivers. Used to check argument count and sizes before a launch.
   decltype(&::cuFuncGetParamInfo) funcGetParamInfo = nullptr;
+  // Optional: CUDA >= 12.0 drivers. How many thread-block clusters of a launch fit the GPU at once.
+  decltype(&::cuOccupancyMaxActiveClusters) occupancyMaxActiveClusters = nullptr;
 };
 
 Driver g_driver;
@@ -94,7 +96,8 @@ void load_driver_once() {
             resolve(g_driver.launchKernelEx, "cuLaunchKernelEx", true) &&
             resolve(g_driver.getErrorName, "cuGetErrorName", true) &&
             resolve(g_driver.getErrorString, "cuGetErrorString", true) &&
-            resolve(g_driver.funcGetParamInfo, "cuFuncGetParamInfo", false);
+            resolve(g_driver.funcGetParamInfo, "cuFuncGetParamInfo", false) &&
+            resolve(g_driver.occupancyMaxActiveClusters, "cuOccupancyMaxActiveClusters", false);
   if (!ok) return;
   CUresult r = g_driver.init(0);
   if (r != CUDA_SUCCESS) {
@@ -302,6 +305,37 @@ void launch(int device, std::uintptr_t func, const Dim3& grid, const Dim3& block
         "cuLaunchKernelEx");
 }
 
+// Clusters of `cluster` blocks of `block` threads (and `shared_mem` dynamic bytes) that can be resident at
+// once: a persistent grid of at most this many clusters never waits for an SM. -1 when the driver lacks the
+// query.
+int max_active_clusters(int device, std::uintptr_t func, const Dim3& block, unsigned shared_mem,
+                        const Dim3& cluster) {
+  const Driver& d = driver();
+  if (d.occupancyMaxActiveClusters == nullptr) return -1;
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.gridDimX = std::get<0>(cluster);
+  config.gridDimY = std::get<1>(cluster);
+  config.gridDimZ = std::get<2>(cluster);
+  config.blockDimX = std::get<0>(block);
+  config.blockDimY = std::get<1>(block);
+  config.blockDimZ = std::get<2>(block);
+  config.sharedMemBytes = shared_mem;
+  CUlaunchAttribute attr;
+  std::memset(&attr, 0, sizeof attr);
+  attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attr.value.clusterDim.x = std::get<0>(cluster);
+  attr.value.clusterDim.y = std::get<1>(cluster);
+  attr.value.clusterDim.z = std::get<2>(cluster);
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  ContextScope scope(device);
+  int count = 0;
+  check(d.occupancyMaxActiveClusters(&count, reinterpret_cast<CUfunction>(func), &config),
+        "cuOccupancyMaxActiveClusters");
+  return count;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_lck_jit_host, m) {
@@ -319,4 +353,6 @@ PYBIND11_MODULE(_lck_jit_host, m) {
   m.def("launch", &launch, py::arg("device"), py::arg("func"), py::arg("grid"), py::arg("block"),
         py::arg("shared_mem"), py::arg("stream"), py::arg("kinds"), py::arg("values"), py::arg("cooperative"),
         py::arg("cluster"));
+  m.def("max_active_clusters", &max_active_clusters, py::arg("device"), py::arg("func"), py::arg("block"),
+        py::arg("shared_mem"), py::arg("cluster"));
 }
