@@ -28,7 +28,10 @@ from lck_kernels._common import tuned
 SOURCE = Path(__file__).resolve().parent / "csrc" / "ce_fwd_grad.cu"
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MIN_ROW_BYTES = 64 * 1024  # shorter rows: the per-row cluster barrier outweighs the saved pass
-MAX_SLICE_BYTES = 96 * 1024  # one block's slice of a row; two of them (this row, the next) in shared memory
+NBUF = (
+    3  # slices of a block in shared memory: gradient pending, statistics now, loading next (the .cu's NBUF)
+)
+MAX_SLICE_BYTES = 72 * 1024  # one block's slice of a row: three of them and the statics fit 227 KiB
 CLUSTERS = (2, 4, 8)  # 8: the portable maximum cluster size
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
@@ -69,7 +72,15 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> 
         if cluster not in CLUSTERS or chunk * esize > MAX_SLICE_BYTES:
             continue
         vpt = -(-(chunk // vec) // threads)
-        return {"cluster": cluster, "threads": threads, "vpt": vpt, "chunk": chunk, "vec": vec}
+        shared = NBUF * (chunk // vec) * 16
+        return {
+            "cluster": cluster,
+            "threads": threads,
+            "vpt": vpt,
+            "chunk": chunk,
+            "vec": vec,
+            "shared": shared,
+        }
     return None
 
 
@@ -175,7 +186,7 @@ def try_launch(
     from lck_runtime.jit import F32, I32, I64
 
     kernel = _kernel(logits.dtype, opts.softcap > 0.0, index)
-    shared = 2 * p["threads"] * p["vpt"] * 16
+    shared = p["shared"]
     rkey = (id(kernel), index, p["threads"], p["cluster"], shared)
     resident = _RESIDENT.get(rkey)
     if resident is None:

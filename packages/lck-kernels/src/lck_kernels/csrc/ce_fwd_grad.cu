@@ -90,24 +90,66 @@ struct Record {  // one block's partial statistics of one row, read by its clust
   float m, s, sw;
 };
 
-struct RowCoef {  // broadcast to every thread of a block after the cluster merge
+struct RowCoef {  // what the gradient pass of one row needs, the same in every thread of the cluster
   float lse2, a, b, c;
   long long t_local;  // target column relative to this block's slice start; -1 when not in it
+  long long row;
 };
 
-// Issue the cp.async copies of this block's slice of `row` into `buf` (thread-owned vectors only).
+// .aligned: every thread of a warp executes the barrier together; the loops before it may exit per thread.
+__device__ __forceinline__ void cluster_arrive() {
+  __syncwarp();
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  __syncwarp();
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// Issue the cp.async copies of this block's slice of `row` into `buf`: the vectors this thread will read.
 __device__ __forceinline__ void load_slice(uint4* buf, const elem_t* x, long long x_stride, long long row,
                                            long long c0, long long c1, int vpt) {
   const elem_t* src = x + row * x_stride;
   for (int j = 0; j < vpt; ++j) {
     const int v = threadIdx.x + j * blockDim.x;
     const long long col = c0 + static_cast<long long>(v) * VEC;
-    long long left = c1 - col;
-    const int bytes = left <= 0 ? 0 : (left >= VEC ? 16 : static_cast<int>(left) * static_cast<int>(sizeof(elem_t)));
-    // A zero-byte copy reads nothing and zero-fills; point it at the row start, a valid address.
-    cp_async_16(&buf[v], bytes ? static_cast<const void*>(src + col) : static_cast<const void*>(src), bytes);
+    if (col >= c1) break;
+    const long long left = c1 - col;
+    cp_async_16(&buf[v], src + col, left >= VEC ? 16 : static_cast<int>(left * sizeof(elem_t)));
   }
 }
+
+// ∂L/∂x of this block's slice of one row, from the slice in shared memory; streamed to global memory.
+__device__ __forceinline__ void grad_slice(const uint4* buf, elem_t* grad, long long grad_stride, const RowCoef& rc,
+                                           long long c0, long long c1, int vpt, float scale, float softcap) {
+  elem_t* g = grad + rc.row * grad_stride + c0;
+  for (int j = 0; j < vpt; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    const long long off = static_cast<long long>(v) * VEC;
+    if (c0 + off >= c1) break;
+    Vec u, o;
+    u.raw = buf[v];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float z2 = logit2(to_f32(u.e[k]), scale, softcap);
+      float d = fast_exp2(z2 - rc.lse2) * rc.a - rc.c;
+      if (off + k == rc.t_local) d -= rc.b;
+#if LCK_CE_SOFTCAP
+      const float r = z2 * LN2 / softcap;
+      d *= 1.0f - r * r;
+#endif
+      o.e[k] = from_f32(d * scale);
+    }
+    if (c1 - (c0 + off) >= VEC) {
+      __stcs(reinterpret_cast<uint4*>(g + off), o.raw);  // streamed: the gradient's next reader is a GEMM
+    } else {
+      const int nv = static_cast<int>(c1 - (c0 + off));
+      for (int k = 0; k < nv; ++k) g[off + k] = o.e[k];
+    }
+  }
+}
+
+constexpr int NBUF = 3;  // slices in shared memory: gradient pending, statistics now, loading next
 
 extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
     const elem_t* __restrict__ x, long long x_stride, elem_t* grad, long long grad_stride,
@@ -115,11 +157,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
     float* __restrict__ zloss, float* __restrict__ lse_out, float* __restrict__ applied, int n_rows,
     long long n_cols, long long chunk, int vpt, long long ignore_index, float eps, float z_scale, float scale,
     float softcap, int smooth, int has_z) {
-  // `grad` may be `x` itself: a block reads its whole slice (into shared memory, and the target logit) before
-  // the cluster barrier of that row and writes the slice only after it, and no two blocks share columns.
-  extern __shared__ uint4 smem[];  // two slices of blockDim.x · vpt vectors
+  // Software pipeline over this cluster's rows i = 0, 1, ...: while row i+1 streams into shared memory,
+  // the block reduces row i, arrives at the cluster barrier of row i (split phase), writes the gradient of
+  // row i-1, and only then waits for its partners' statistics of row i, so the barrier's latency hides
+  // behind a pass over the slice. `grad` may be `x` itself: a block has read its whole slice of a row
+  // (and the target logit) before arriving at that row's barrier, and a block writes a row's slice only
+  // after waiting at it; no two blocks share columns.
+  extern __shared__ uint4 smem[];  // NBUF slices of chunk / VEC vectors
   __shared__ Record records[2];
-  __shared__ RowCoef coef[2];
   __shared__ float warp_m[MAX_WARPS], warp_s[MAX_WARPS], warp_sw[MAX_WARPS];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -132,39 +177,33 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
   const int n_warps = (blockDim.x + 31) >> 5;
   const long long c0 = rank * chunk;
   const long long c1 = c0 + chunk < n_cols ? c0 + chunk : n_cols;
-  const int slice_vecs = blockDim.x * vpt;
+  const int slice_vecs = static_cast<int>(chunk / VEC);
+  const int n_iter = cid < n_rows ? (n_rows - 1 - cid) / n_clusters + 1 : 0;
   const float wsum = red[4];
   const float cw = red[2];
   const float cz = red[3];
 
-  if (cid < n_rows) {
-    load_slice(smem, x, x_stride, cid, c0, c1, vpt);
-  }
+  if (n_iter > 0) load_slice(smem, x, x_stride, cid, c0, c1, vpt);
   cp_async_commit();
 
-  int it = 0;
-  for (int row = cid; row < n_rows; row += n_clusters, ++it) {
-    const int b = it & 1;
-    uint4* cur = smem + b * slice_vecs;
-    const int next = row + n_clusters;
-    if (next < n_rows) {
-      // The other buffer held the previous row; this thread's last reads of its own vectors there are done.
-      load_slice(smem + (b ^ 1) * slice_vecs, x, x_stride, next, c0, c1, vpt);
-    }
+  RowCoef prev{0.0f, 0.0f, 0.0f, 0.0f, -1, 0};
+  for (int i = 0; i < n_iter; ++i) {
+    const long long row = cid + static_cast<long long>(i) * n_clusters;
+    const int b = i & 1;
+    const uint4* cur = smem + (i % NBUF) * slice_vecs;
+    if (i + 1 < n_iter) load_slice(smem + ((i + 1) % NBUF) * slice_vecs, x, x_stride, row + n_clusters, c0, c1, vpt);
     cp_async_commit();
-    cp_async_wait<1>();  // this row's copies (own vectors: visible to this thread without a block barrier)
+    cp_async_wait<1>();  // row i's copies (this thread's own vectors: no block barrier needed to read them)
 
-    // The lead block's thread 0 reads the target and its logit now, before this row's cluster barrier.
-    long long t = 0;
+    const long long t = target[row];  // one address for the whole block
+    const bool valid = t != ignore_index;
+    const bool in_range = t >= 0 && t < n_cols;
     float zt = 0.0f;
-    if (threadIdx.x == 0) {
-      t = target[row];
-      if (rank == 0 && t != ignore_index && t >= 0 && t < n_cols) {
-        zt = logit2(to_f32(x[static_cast<long long>(row) * x_stride + t]), scale, softcap) * LN2;
-      }
+    if (rank == 0 && threadIdx.x == 0 && valid && in_range) {
+      zt = logit2(to_f32(x[row * x_stride + t]), scale, softcap) * LN2;
     }
 
-    // Statistics of the slice: per-thread online max / sum of 2^(z2 − m), one extra exp2 per vector.
+    // Statistics of the slice: per-thread online max / sum of 2^(z2 - m), one extra exp2 per vector.
     float m = NEG_START, s = 0.0f, sw = 0.0f;
     for (int j = 0; j < vpt; ++j) {
       const int v = threadIdx.x + j * blockDim.x;
@@ -198,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
       const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
       const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
       merge(m, s, m2, s2);
-      sw += __shfl_xor_sync(0xffffffffu, sw, off);
+      if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
     }
     if (lane == 0) {
       warp_m[warp] = m;
@@ -215,84 +254,46 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
         const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
         const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
         merge(m, s, m2, s2);
-        sw += __shfl_xor_sync(0xffffffffu, sw, off);
+        if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
       }
       if (lane == 0) records[b] = Record{m, s, sw};
     }
-    // Publishes records[b] to the partners; the record is rewritten two rows later, after the next barrier,
-    // which every partner reaches only once done reading it.
-    cluster.sync();
+    // Split-phase barrier: arrive publishes records[b] (and ends this block's reads of row i's logits); the
+    // record is rewritten two rows later, after the next wait, which needs every partner to have arrived
+    // at row i+1, after reading it.
+    cluster_arrive();
+    if (i > 0) grad_slice(smem + ((i - 1) % NBUF) * slice_vecs, grad, grad_stride, prev, c0, c1, vpt, scale, softcap);
+    cluster_wait();
 
-    if (warp == 0) {
-      float rm = NEG_START, rs = 0.0f, rsw = 0.0f;
-      if (lane < csize) {
-        const Record* r = cluster.map_shared_rank(&records[b], lane);
-        rm = r->m;
-        rs = r->s;
-        rsw = r->sw;
-      }
-      // The same butterfly over the same values in every block: every block gets the same lse, bit for bit.
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, rm, off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, rs, off);
-        merge(rm, rs, m2, s2);
-        rsw += __shfl_xor_sync(0xffffffffu, rsw, off);
-      }
-      if (lane == 0) {
-        const float lse2 = rm + __log2f(rs);
-        const float lse = lse2 * LN2;
-        const bool valid = t != ignore_index;
-        const bool in_range = t >= 0 && t < n_cols;
-        const float w_t = valid && in_range ? 1.0f : 0.0f;
-        const float ct = valid ? cw * (1.0f - eps) * w_t : 0.0f;
-        const float cc = valid ? cw * eps / static_cast<float>(n_cols) : 0.0f;
-        float ca = ct + cc * wsum;
-        if (has_z && valid) ca += cz * 2.0f * z_scale * lse;
-        if (valid && !in_range) ca = __int_as_float(0x7fc00000);  // NaN gradient for a bad target
-        coef[b] = RowCoef{lse2, ca, ct, cc, (valid && in_range && t >= c0 && t < c1) ? t - c0 : -1};
-        if (rank == 0) {
-          float ce = (1.0f - eps) * w_t * (lse - zt);
-          if (smooth) ce += eps / static_cast<float>(n_cols) * (wsum * lse - rsw * LN2);
-          ce = valid ? (in_range ? ce : __int_as_float(0x7fc00000)) : 0.0f;
-          loss[row] = ce;
-          lse_out[row] = lse;
-          if (has_z) zloss[row] = valid ? z_scale * lse * lse : 0.0f;
-          applied[row] = 1.0f;
-        }
-      }
+    // Every thread merges the cluster's records in rank order: the same lse, bit for bit, everywhere.
+    float rm = NEG_START, rs = 0.0f, rsw = 0.0f;
+    for (int r = 0; r < csize; ++r) {
+      const Record* rec = cluster.map_shared_rank(&records[b], r);
+      const float m2 = rec->m, s2 = rec->s;
+      rsw += rec->sw;
+      merge(rm, rs, m2, s2);
     }
-    __syncthreads();
-
-    // Gradient of the slice from shared memory.
-    const RowCoef rc = coef[b];
-    elem_t* g = grad + static_cast<long long>(row) * grad_stride + c0;
-    for (int j = 0; j < vpt; ++j) {
-      const int v = threadIdx.x + j * blockDim.x;
-      const long long off = static_cast<long long>(v) * VEC;
-      if (c0 + off >= c1) break;
-      Vec u, o;
-      u.raw = cur[v];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float z2 = logit2(to_f32(u.e[k]), scale, softcap);
-        float d = fast_exp2(z2 - rc.lse2) * rc.a - rc.c;
-        if (off + k == rc.t_local) d -= rc.b;
-#if LCK_CE_SOFTCAP
-        const float r = z2 * LN2 / softcap;
-        d *= 1.0f - r * r;
-#endif
-        o.e[k] = from_f32(d * scale);
-      }
-      if (c1 - (c0 + off) >= VEC) {
-        __stcs(reinterpret_cast<uint4*>(g + off), o.raw);  // streamed: the gradient's next reader is a GEMM
-      } else {
-        const int nv = static_cast<int>(c1 - (c0 + off));
-        for (int k = 0; k < nv; ++k) g[off + k] = o.e[k];
-      }
+    const float lse2 = rm + __log2f(rs);
+    const float lse = lse2 * LN2;
+    const float w_t = valid && in_range ? 1.0f : 0.0f;
+    const float ct = valid ? cw * (1.0f - eps) * w_t : 0.0f;
+    const float cc = valid ? cw * eps / static_cast<float>(n_cols) : 0.0f;
+    float ca = ct + cc * wsum;
+    if (has_z && valid) ca += cz * 2.0f * z_scale * lse;
+    if (valid && !in_range) ca = __int_as_float(0x7fc00000);  // NaN gradient for a bad target
+    prev = RowCoef{lse2, ca, ct, cc, (valid && in_range && t >= c0 && t < c1) ? t - c0 : -1, row};
+    if (rank == 0 && threadIdx.x == 0) {
+      float ce = (1.0f - eps) * w_t * (lse - zt);
+      if (smooth) ce += eps / static_cast<float>(n_cols) * (wsum * lse - rsw * LN2);
+      loss[row] = valid ? (in_range ? ce : __int_as_float(0x7fc00000)) : 0.0f;
+      lse_out[row] = lse;
+      if (has_z) zloss[row] = valid ? z_scale * lse * lse : 0.0f;
+      applied[row] = 1.0f;
     }
   }
+  if (n_iter > 0) grad_slice(smem + ((n_iter - 1) % NBUF) * slice_vecs, grad, grad_stride, prev, c0, c1, vpt, scale, softcap);
   cp_async_wait<0>();
   // No block may exit while a partner can still read its records.
-  cluster.sync();
+  cluster_arrive();
+  cluster_wait();
 }
