@@ -137,8 +137,12 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bo
 
     # The CUDA cluster kernel (one read of each row, kept in shared memory): blocks per row and threads per
     # block. 8 blocks of 512 threads fit two blocks per SM; 4 blocks use 128 KiB of shared memory, one per SM.
+    from lck_kernels import _cross_entropy_cuda
+
     for p in _grid(cluster=(4, 8), threads=(1024, 512, 256)):
         sweep.run(kernel, {"cuda": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+    # (kernel, device, threads, cluster, shared bytes) -> clusters resident at once (the grid's cluster count)
+    print("  resident clusters:", {k[2:]: v for k, v in _cross_entropy_cuda._RESIDENT.items()}, flush=True)
     base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1, "cuda": 0}
     if quick:  # the Triton kernel's default only (its full sweep: tune-cross-entropy-h200-2026-11-30.json)
         sweep.run(

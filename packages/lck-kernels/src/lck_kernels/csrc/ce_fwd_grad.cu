@@ -52,6 +52,31 @@ union Vec {
   elem_t e[VEC];
 };
 
+// Eight (or four) floats rounded into one 16-byte vector, in registers (indexing a union's elements with
+// a runtime index would put it in local memory).
+__device__ __forceinline__ uint4 pack(const float (&d)[VEC]) {
+  uint4 o;
+#if LCK_CE_DTYPE == 2
+  o.x = __float_as_uint(d[0]);
+  o.y = __float_as_uint(d[1]);
+  o.z = __float_as_uint(d[2]);
+  o.w = __float_as_uint(d[3]);
+#else
+  unsigned w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#if LCK_CE_DTYPE == 0
+    __nv_bfloat162 h = __floats2bfloat162_rn(d[2 * i], d[2 * i + 1]);
+#else
+    __half2 h = __floats2half2_rn(d[2 * i], d[2 * i + 1]);
+#endif
+    w[i] = *reinterpret_cast<unsigned*>(&h);
+  }
+  o = make_uint4(w[0], w[1], w[2], w[3]);
+#endif
+  return o;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -119,32 +144,52 @@ __device__ __forceinline__ void load_slice(uint4* buf, const elem_t* x, long lon
   }
 }
 
+// The gradient of one vector: d = (p·a − c − b·[lane = kt]) (× the cap's derivative), with `scale` already
+// folded into a, b, c. TARGET: this vector holds the row's target (one vector per row: the per-lane
+// select stays out of the common path).
+template <bool TARGET>
+__device__ __forceinline__ uint4 grad_vec(const Vec& u, const RowCoef& rc, int kt, float scale, float s2,
+                                          float softcap, float (&d)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+#if LCK_CE_SOFTCAP
+    const float z2 = logit2(to_f32(u.e[k]), scale, softcap);
+    float dk = fmaf(fast_exp2(z2 - rc.lse2), rc.a, -rc.c);
+    if (TARGET && k == kt) dk -= rc.b;
+    const float r = z2 * LN2 / softcap;
+    d[k] = dk * (1.0f - r * r);
+#else
+    float dk = fmaf(fast_exp2(fmaf(to_f32(u.e[k]), s2, -rc.lse2)), rc.a, -rc.c);
+    if (TARGET && k == kt) dk -= rc.b;
+    d[k] = dk;
+#endif
+  }
+  return pack(d);
+}
+
 // ∂L/∂x of this block's slice of one row, from the slice in shared memory; streamed to global memory.
 __device__ __forceinline__ void grad_slice(const uint4* buf, elem_t* grad, long long grad_stride, const RowCoef& rc,
                                            long long c0, long long c1, int vpt, float scale, float softcap) {
   elem_t* g = grad + rc.row * grad_stride + c0;
+  const float s2 = scale * LOG2E;
+  const int len = static_cast<int>(c1 - c0);  // a slice is at most 72 KiB
   for (int j = 0; j < vpt; ++j) {
     const int v = threadIdx.x + j * blockDim.x;
-    const long long off = static_cast<long long>(v) * VEC;
-    if (c0 + off >= c1) break;
-    Vec u, o;
+    const int off = v * VEC;
+    if (off >= len) break;
+    Vec u;
     u.raw = buf[v];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float z2 = logit2(to_f32(u.e[k]), scale, softcap);
-      float d = fast_exp2(z2 - rc.lse2) * rc.a - rc.c;
-      if (off + k == rc.t_local) d -= rc.b;
-#if LCK_CE_SOFTCAP
-      const float r = z2 * LN2 / softcap;
-      d *= 1.0f - r * r;
-#endif
-      o.e[k] = from_f32(d * scale);
-    }
-    if (c1 - (c0 + off) >= VEC) {
-      __stcs(reinterpret_cast<uint4*>(g + off), o.raw);  // streamed: the gradient's next reader is a GEMM
+    const int kt = static_cast<int>(rc.t_local) - off;  // the target's lane in this vector, if in [0, VEC)
+    float d[VEC];
+    const uint4 o = (kt >= 0 && kt < VEC) ? grad_vec<true>(u, rc, kt, scale, s2, softcap, d)
+                                          : grad_vec<false>(u, rc, kt, scale, s2, softcap, d);
+    if (len - off >= VEC) {
+      __stcs(reinterpret_cast<uint4*>(g + off), o);  // streamed: the gradient's next reader is a GEMM
     } else {
-      const int nv = static_cast<int>(c1 - (c0 + off));
-      for (int k = 0; k < nv; ++k) g[off + k] = o.e[k];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        if (k < len - off) g[off + k] = from_f32(d[k]);
+      }
     }
   }
 }
@@ -205,32 +250,40 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
 
     // Statistics of the slice: per-thread online max / sum of 2^(z2 - m), one extra exp2 per vector.
     float m = NEG_START, s = 0.0f, sw = 0.0f;
+    const int len = static_cast<int>(c1 - c0);
     for (int j = 0; j < vpt; ++j) {
       const int v = threadIdx.x + j * blockDim.x;
-      const long long col = c0 + static_cast<long long>(v) * VEC;
-      if (col >= c1) break;
+      const int off = v * VEC;
+      if (off >= len) break;
       Vec u;
       u.raw = cur[v];
-      const int nv = c1 - col >= VEC ? VEC : static_cast<int>(c1 - col);
       float z[VEC];
       float vmax = NEG_START;
+      if (len - off >= VEC) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        z[k] = logit2(to_f32(u.e[k]), scale, softcap);
-        if (k < nv) vmax = fmaxf(vmax, z[k]);
-      }
-      const float mn = fmaxf(m, vmax);
-      float acc = 0.0f, zs = 0.0f;
+        for (int k = 0; k < VEC; ++k) {
+          z[k] = logit2(to_f32(u.e[k]), scale, softcap);
+          vmax = fmaxf(vmax, z[k]);
+        }
+      } else {  // the slice's last, partial vector: lanes past the row end count as -inf
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        if (k < nv) {
-          acc += fast_exp2(z[k] - mn);
-          zs += z[k];
+        for (int k = 0; k < VEC; ++k) {
+          z[k] = k < len - off ? logit2(to_f32(u.e[k]), scale, softcap) : -INFINITY;
+          vmax = fmaxf(vmax, z[k]);
         }
       }
+      const float mn = fmaxf(m, vmax);
+      float acc = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc += fast_exp2(z[k] - mn);
       s = s * fast_exp2(m - mn) + acc;
-      sw += zs;
       m = mn;
+      if (smooth) {
+        float zs = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) zs += k < len - off ? z[k] : 0.0f;
+        sw += zs;
+      }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -281,7 +334,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
     float ca = ct + cc * wsum;
     if (has_z && valid) ca += cz * 2.0f * z_scale * lse;
     if (valid && !in_range) ca = __int_as_float(0x7fc00000);  // NaN gradient for a bad target
-    prev = RowCoef{lse2, ca, ct, cc, (valid && in_range && t >= c0 && t < c1) ? t - c0 : -1, row};
+    // The logits' scale multiplies the whole gradient: folded into the three coefficients.
+    prev = RowCoef{lse2, ca * scale, ct * scale, cc * scale, (valid && in_range && t >= c0 && t < c1) ? t - c0 : -1, row};
     if (rank == 0 && threadIdx.x == 0) {
       float ce = (1.0f - eps) * w_t * (lse - zt);
       if (smooth) ce += eps / static_cast<float>(n_cols) * (wsum * lse - rsw * LN2);
