@@ -178,7 +178,7 @@ def try_launch(
         return False
     if logits.data_ptr() % 16 or grad.data_ptr() % 16:
         return False
-    if any(not t.is_contiguous() for t in tensors[3:]):
+    if any(not t.is_contiguous() for t in (loss, lse, applied, *([zloss] if zloss is not None else []))):
         return False
     index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     if not _usable(index):

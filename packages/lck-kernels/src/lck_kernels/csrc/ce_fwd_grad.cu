@@ -173,10 +173,11 @@ __device__ __forceinline__ void grad_slice(const uint4* buf, elem_t* grad, long 
   elem_t* g = grad + rc.row * grad_stride + c0;
   const float s2 = scale * LOG2E;
   const int len = static_cast<int>(c1 - c0);  // a slice is at most 72 KiB
+#pragma unroll 2
   for (int j = 0; j < vpt; ++j) {
     const int v = threadIdx.x + j * blockDim.x;
     const int off = v * VEC;
-    if (off >= len) break;
+    if (off >= len) continue;  // (not break: keeps the loop unrollable)
     Vec u;
     u.raw = buf[v];
     const int kt = static_cast<int>(rc.t_local) - off;  // the target's lane in this vector, if in [0, VEC)
@@ -249,42 +250,41 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
     }
 
     // Statistics of the slice: per-thread online max / sum of 2^(z2 - m), one extra exp2 per vector.
-    float m = NEG_START, s = 0.0f, sw = 0.0f;
+    // Two vectors per step with their own (m, s): independent exp2 chains to overlap (the pass is bound
+    // by latency at one 1024-thread block per SM, not by the exp2 throughput).
+    float mh[2] = {NEG_START, NEG_START}, sh[2] = {0.0f, 0.0f}, sw = 0.0f;
     const int len = static_cast<int>(c1 - c0);
-    for (int j = 0; j < vpt; ++j) {
-      const int v = threadIdx.x + j * blockDim.x;
-      const int off = v * VEC;
-      if (off >= len) break;
-      Vec u;
-      u.raw = cur[v];
-      float z[VEC];
-      float vmax = NEG_START;
-      if (len - off >= VEC) {
+    for (int j = 0; j < vpt; j += 2) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          z[k] = logit2(to_f32(u.e[k]), scale, softcap);
-          vmax = fmaxf(vmax, z[k]);
+      for (int h = 0; h < 2; ++h) {
+        const int off = (threadIdx.x + (j + h) * blockDim.x) * VEC;
+        if (j + h < vpt && off < len) {
+          Vec u;
+          u.raw = cur[off / VEC];
+          float z[VEC];
+          float vmax = NEG_START;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {  // lanes past the row end (the slice's last vector) count as -inf
+            z[k] = k < len - off ? logit2(to_f32(u.e[k]), scale, softcap) : -INFINITY;
+            vmax = fmaxf(vmax, z[k]);
+          }
+          const float mn = fmaxf(mh[h], vmax);
+          float acc = 0.0f;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc += fast_exp2(z[k] - mn);
+          sh[h] = sh[h] * fast_exp2(mh[h] - mn) + acc;
+          mh[h] = mn;
+          if (smooth) {
+            float zs = 0.0f;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) zs += k < len - off ? z[k] : 0.0f;
+            sw += zs;
+          }
         }
-      } else {  // the slice's last, partial vector: lanes past the row end count as -inf
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          z[k] = k < len - off ? logit2(to_f32(u.e[k]), scale, softcap) : -INFINITY;
-          vmax = fmaxf(vmax, z[k]);
-        }
-      }
-      const float mn = fmaxf(m, vmax);
-      float acc = 0.0f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc += fast_exp2(z[k] - mn);
-      s = s * fast_exp2(m - mn) + acc;
-      m = mn;
-      if (smooth) {
-        float zs = 0.0f;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) zs += k < len - off ? z[k] : 0.0f;
-        sw += zs;
       }
     }
+    float m = mh[0], s = sh[0];
+    merge(m, s, mh[1], sh[1]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
