@@ -111,7 +111,7 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   m = mx;
 }
 
-struct Record {  // one block's partial statistics of one row, read by its cluster partners
+struct Record {  // one block's partial statistics of one row, pushed into every partner's inbox
   float m, s, sw;
 };
 
@@ -173,11 +173,10 @@ __device__ __forceinline__ void grad_slice(const uint4* buf, elem_t* grad, long 
   elem_t* g = grad + rc.row * grad_stride + c0;
   const float s2 = scale * LOG2E;
   const int len = static_cast<int>(c1 - c0);  // a slice is at most 72 KiB
-#pragma unroll 2
   for (int j = 0; j < vpt; ++j) {
     const int v = threadIdx.x + j * blockDim.x;
     const int off = v * VEC;
-    if (off >= len) continue;  // (not break: keeps the loop unrollable)
+    if (off >= len) break;
     Vec u;
     u.raw = buf[v];
     const int kt = static_cast<int>(rc.t_local) - off;  // the target's lane in this vector, if in [0, VEC)
@@ -210,7 +209,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
   // (and the target logit) before arriving at that row's barrier, and a block writes a row's slice only
   // after waiting at it; no two blocks share columns.
   extern __shared__ uint4 smem[];  // NBUF slices of chunk / VEC vectors
-  __shared__ Record records[2];
+  // inbox[b][r]: block r's record of the current (b = row parity) row, written by block r itself through
+  // distributed shared memory, so the merge reads only local shared memory.
+  __shared__ Record inbox[2][8];
   __shared__ float warp_m[MAX_WARPS], warp_s[MAX_WARPS], warp_sw[MAX_WARPS];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -250,41 +251,41 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
     }
 
     // Statistics of the slice: per-thread online max / sum of 2^(z2 - m), one extra exp2 per vector.
-    // Two vectors per step with their own (m, s): independent exp2 chains to overlap (the pass is bound
-    // by latency at one 1024-thread block per SM, not by the exp2 throughput).
-    float mh[2] = {NEG_START, NEG_START}, sh[2] = {0.0f, 0.0f}, sw = 0.0f;
+    float m = NEG_START, s = 0.0f, sw = 0.0f;
     const int len = static_cast<int>(c1 - c0);
-    for (int j = 0; j < vpt; j += 2) {
+    for (int j = 0; j < vpt; ++j) {
+      const int off = (threadIdx.x + j * blockDim.x) * VEC;
+      if (off >= len) break;
+      Vec u;
+      u.raw = cur[off / VEC];
+      float z[VEC];
+      float vmax = NEG_START;
+      if (len - off >= VEC) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int off = (threadIdx.x + (j + h) * blockDim.x) * VEC;
-        if (j + h < vpt && off < len) {
-          Vec u;
-          u.raw = cur[off / VEC];
-          float z[VEC];
-          float vmax = NEG_START;
+        for (int k = 0; k < VEC; ++k) {
+          z[k] = logit2(to_f32(u.e[k]), scale, softcap);
+          vmax = fmaxf(vmax, z[k]);
+        }
+      } else {  // the slice's last, partial vector: lanes past the row end count as -inf
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {  // lanes past the row end (the slice's last vector) count as -inf
-            z[k] = k < len - off ? logit2(to_f32(u.e[k]), scale, softcap) : -INFINITY;
-            vmax = fmaxf(vmax, z[k]);
-          }
-          const float mn = fmaxf(mh[h], vmax);
-          float acc = 0.0f;
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) acc += fast_exp2(z[k] - mn);
-          sh[h] = sh[h] * fast_exp2(mh[h] - mn) + acc;
-          mh[h] = mn;
-          if (smooth) {
-            float zs = 0.0f;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) zs += k < len - off ? z[k] : 0.0f;
-            sw += zs;
-          }
+        for (int k = 0; k < VEC; ++k) {
+          z[k] = k < len - off ? logit2(to_f32(u.e[k]), scale, softcap) : -INFINITY;
+          vmax = fmaxf(vmax, z[k]);
         }
       }
+      const float mn = fmaxf(m, vmax);
+      float acc = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc += fast_exp2(z[k] - mn);
+      s = s * fast_exp2(m - mn) + acc;
+      m = mn;
+      if (smooth) {
+        float zs = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) zs += k < len - off ? z[k] : 0.0f;
+        sw += zs;
+      }
     }
-    float m = mh[0], s = sh[0];
-    merge(m, s, mh[1], sh[1]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
@@ -309,22 +310,22 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
         merge(m, s, m2, s2);
         if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
       }
-      if (lane == 0) records[b] = Record{m, s, sw};
+      if (lane < csize) *cluster.map_shared_rank(&inbox[b][rank], lane) = Record{m, s, sw};
     }
-    // Split-phase barrier: arrive publishes records[b] (and ends this block's reads of row i's logits); the
-    // record is rewritten two rows later, after the next wait, which needs every partner to have arrived
-    // at row i+1, after reading it.
+    // Split-phase barrier: arrive publishes the records pushed to the partners (and ends this block's reads
+    // of row i's logits); an inbox slot is rewritten two rows later, after the next wait, which needs its
+    // owner to have arrived at row i+1, after reading it.
     cluster_arrive();
     if (i > 0) grad_slice(smem + ((i - 1) % NBUF) * slice_vecs, grad, grad_stride, prev, c0, c1, vpt, scale, softcap);
     cluster_wait();
 
     // Every thread merges the cluster's records in rank order: the same lse, bit for bit, everywhere.
     float rm = NEG_START, rs = 0.0f, rsw = 0.0f;
+#pragma unroll 1
     for (int r = 0; r < csize; ++r) {
-      const Record* rec = cluster.map_shared_rank(&records[b], r);
-      const float m2 = rec->m, s2 = rec->s;
-      rsw += rec->sw;
-      merge(rm, rs, m2, s2);
+      const Record rec = inbox[b][r];
+      rsw += rec.sw;
+      merge(rm, rs, rec.m, rec.s);
     }
     const float lse2 = rm + __log2f(rs);
     const float lse = lse2 * LN2;
@@ -347,7 +348,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
   }
   if (n_iter > 0) grad_slice(smem + ((n_iter - 1) % NBUF) * slice_vecs, grad, grad_stride, prev, c0, c1, vpt, scale, softcap);
   cp_async_wait<0>();
-  // No block may exit while a partner can still read its records.
+  // Partners write into a block's inbox only before arriving at a barrier this block has waited at; one last
+  // barrier all the same, so no block exits while its cluster is still running.
   cluster_arrive();
   cluster_wait();
 }
