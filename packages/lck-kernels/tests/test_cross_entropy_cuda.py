@@ -30,7 +30,8 @@ def poisoned(monkeypatch):
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Records whether each loss+gradient forward ran the cluster kernel (True) or fell back (False)."""
+    """Turns the (opt-in) cluster kernel on and records whether each loss+gradient forward ran it (True) or
+    fell back to the Triton kernel (False)."""
     calls: list[bool] = []
     real = _cross_entropy_launch.try_launch
 
@@ -39,7 +40,8 @@ def taken(monkeypatch):
         return calls[-1]
 
     monkeypatch.setattr(_cross_entropy_launch, "try_launch", spy)
-    return calls
+    with tuning("cross_entropy_fwd_grad", cuda=1):
+        yield calls
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -63,7 +65,9 @@ def taken(monkeypatch):
     ids=str,
 )
 def test_plan(n_cols, dtype, want):
-    p = cc.plan(8192, n_cols, dtype, torch.device("cpu"))
+    assert cc.plan(8192, n_cols, dtype, torch.device("cpu")) is None, "opt-in: off by default"
+    with tuning("cross_entropy_fwd_grad", cuda=1):
+        p = cc.plan(8192, n_cols, dtype, torch.device("cpu"))
     if want is None:
         assert p is None
         return
@@ -78,13 +82,14 @@ def test_plan_tuning():
     dev = torch.device("cpu")
     with tuning("cross_entropy_fwd_grad", cuda=0):
         assert cc.plan(8192, 128256, torch.bfloat16, dev) is None
-    with tuning("cross_entropy_fwd_grad", cluster=8, threads=256):
+    with tuning("cross_entropy_fwd_grad", cuda=1, cluster=8, threads=256):
         assert cc.plan(8192, 128256, torch.bfloat16, dev) == {
             "cluster": 8, "threads": 256, "vpt": 8, "chunk": 16032, "vec": 8, "shared": 3 * 16032 * 2,
         }  # fmt: skip
-    with tuning("cross_entropy_fwd_grad", cluster=2):  # 125 KiB slices do not fit three times
+    with tuning("cross_entropy_fwd_grad", cuda=1, cluster=2):  # 125 KiB slices do not fit three times
         assert cc.plan(8192, 128256, torch.bfloat16, dev) is None
-    assert cc.plan(0, 128256, torch.bfloat16, dev) is None
+    with tuning("cross_entropy_fwd_grad", cuda=1):
+        assert cc.plan(0, 128256, torch.bfloat16, dev) is None
 
 
 @pytest.mark.skipif(not interpreting(), reason="CPU tensors reach the kernels only under TRITON_INTERPRET=1")
@@ -133,7 +138,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}-{c[5]}")
 def test_cluster_kernel_matches_float64_reference(case, taken, poisoned):
     n, v, dtype, reduction, options, params = case
-    with tuning("cross_entropy_fwd_grad", **params):
+    with tuning("cross_entropy_fwd_grad", cuda=1, **params):
         chunk = 512 if n * v > 2**24 else None
         check_against_reference(n, v, dtype, reduction, seed=41, rows_per_chunk=chunk, **options)
         # in place: the gradient is written over the logits themselves

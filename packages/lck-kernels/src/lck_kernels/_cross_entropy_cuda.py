@@ -4,10 +4,12 @@ build through the runtime JIT, and its launch.
 The Triton loss+gradient kernel reads each row twice; on an H200 at 8192 × 128256 bf16 the second read
 misses L2 (see ``_cross_entropy_kernels``), so the kernel moves three passes of HBM traffic. The cluster
 kernel keeps each row in shared memory, split over the blocks of a thread-block cluster, and moves two.
-``launch_fwd`` tries it first for the loss+gradient forward; it applies to eager calls (not while
-``torch.compile`` or another tracer is looking: those see the Triton kernels) on sm_90/sm_100 GPUs, for
-bf16/fp16/fp32 rows of at least ``MIN_ROW_BYTES`` with 16-byte aligned rows, without class weights or the
-entropy output. ``LCK_KERNELS_CUDA=0`` turns it off; so does ``tuning("cross_entropy_fwd_grad", cuda=0)``.
+Measured on an H200 it is nevertheless slower (1.64 ms against 1.43 ms; ``benchmarks/results/README.md``),
+so it is opt-in: ``tuning("cross_entropy_fwd_grad", cuda=1)`` (the default is in
+``_cross_entropy_kernels._DEFAULTS``). ``launch_fwd`` then tries it first for the loss+gradient forward; it
+applies to eager calls (not while ``torch.compile`` or another tracer is looking: those see the Triton
+kernels) on sm_90/sm_100 GPUs, for bf16/fp16/fp32 rows of at least ``MIN_ROW_BYTES`` with 16-byte aligned
+rows, without class weights or the entropy output. ``LCK_KERNELS_CUDA=0`` turns it off whatever the tuning.
 
 Kernels are built once per (dtype, soft cap) and device, into the ``LCK`` JIT cache
 (``LCK_JIT_CACHE_DIR``). Without nvcc the Triton kernel runs instead, with one warning.

@@ -677,10 +677,12 @@ _DEFAULTS = {
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
         "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0,
-        # The CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it applies
-        # (cuda 0: never); cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory
-        # twice); threads per block.
-        "cuda": 1, "cluster": 0, "threads": 1024,
+        # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
+        # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
+        # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
+        # H200 (2026-11-30, 8192 x 128256 bf16: 1.64 ms at 4 x 1024, 1.74 at 8 x 512, against 1.43 for this
+        # Triton kernel; 30 clusters of 4 fit, so 120 of 132 SMs work), so it is off.
+        "cuda": 0, "cluster": 0, "threads": 1024,
     },
     # One read and one write per element (1.05 ms, 94% of the copy rate).
     "cross_entropy_bwd": {
