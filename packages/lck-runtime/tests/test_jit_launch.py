@@ -203,6 +203,20 @@ def test_cluster_launch(jit, cluster):
     assert torch.equal(out[:, 0], b % size) and torch.equal(out[:, 1], torch.full_like(b, size))
 
 
+def test_max_active_clusters(jit):
+    """How many clusters fit the GPU at once: with 150 KiB of shared memory a block has an SM to itself, so
+    at most SMs/2 clusters of two (fewer where a GPU processing cluster has an odd SM left over)."""
+    k = jit.build("cluster_ids", CLUSTER, "cluster_ids")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    two = k.max_active_clusters(256, 2, shared_mem=150 * 1024)
+    assert two is not None and sms // 4 <= two <= sms // 2, (two, sms)
+    assert k.max_active_clusters(64, 1) >= sms, "small blocks: several per SM"
+    with pytest.raises(ValueError, match="shared_mem"):
+        k.max_active_clusters(64, 2, shared_mem=-1)
+    with pytest.raises(ValueError, match="cluster entries must be positive"):
+        k.max_active_clusters(64, 0)
+
+
 def test_cuda_graph_capture_and_replay(jit):
     k = jit.build("copy_f32", COPY, "copy_f32")
     k.load()  # module loading stays outside the captured region
