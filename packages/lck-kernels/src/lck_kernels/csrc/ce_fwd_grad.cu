@@ -111,6 +111,17 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   m = mx;
 }
 
+// A butterfly over the warp: every lane ends with the warp's merged (m, s) and Σ sw.
+__device__ __forceinline__ void warp_merge(float& m, float& s, float& sw, int smooth) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    merge(m, s, m2, s2);
+    if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
+  }
+}
+
 struct Record {  // one block's partial statistics of one row, pushed into every partner's inbox
   float m, s, sw;
 };
@@ -286,13 +297,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
         sw += zs;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      merge(m, s, m2, s2);
-      if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
-    }
+    warp_merge(m, s, sw, smooth);
     if (lane == 0) {
       warp_m[warp] = m;
       warp_s[warp] = s;
@@ -303,13 +308,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) lck_ce_fwd_grad(
       m = lane < n_warps ? warp_m[lane] : NEG_START;
       s = lane < n_warps ? warp_s[lane] : 0.0f;
       sw = lane < n_warps ? warp_sw[lane] : 0.0f;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-        merge(m, s, m2, s2);
-        if (smooth) sw += __shfl_xor_sync(0xffffffffu, sw, off);
-      }
+      warp_merge(m, s, sw, smooth);
       if (lane < csize) *cluster.map_shared_rank(&inbox[b][rank], lane) = Record{m, s, sw};
     }
     // Split-phase barrier: arrive publishes the records pushed to the partners (and ends this block's reads

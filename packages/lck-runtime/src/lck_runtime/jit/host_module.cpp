@@ -230,6 +230,27 @@ void set_attribute(int device, std::uintptr_t func, int attribute, int value) {
 
 using Dim3 = std::tuple<unsigned, unsigned, unsigned>;
 
+CUlaunchConfig make_config(const Dim3& grid, const Dim3& block, unsigned shared_mem) {
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.gridDimX = std::get<0>(grid);
+  config.gridDimY = std::get<1>(grid);
+  config.gridDimZ = std::get<2>(grid);
+  config.blockDimX = std::get<0>(block);
+  config.blockDimY = std::get<1>(block);
+  config.blockDimZ = std::get<2>(block);
+  config.sharedMemBytes = shared_mem;
+  return config;
+}
+
+void set_cluster(CUlaunchAttribute& attr, const Dim3& cluster) {
+  std::memset(&attr, 0, sizeof attr);
+  attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attr.value.clusterDim.x = std::get<0>(cluster);
+  attr.value.clusterDim.y = std::get<1>(cluster);
+  attr.value.clusterDim.z = std::get<2>(cluster);
+}
+
 void launch(int device, std::uintptr_t func, const Dim3& grid, const Dim3& block, unsigned shared_mem,
             std::uintptr_t stream, const std::vector<int>& kinds, const py::sequence& values, bool cooperative,
             const Dim3& cluster) {
@@ -271,15 +292,7 @@ void launch(int device, std::uintptr_t func, const Dim3& grid, const Dim3& block
     params[i] = &storage[i];
   }
 
-  CUlaunchConfig config;
-  std::memset(&config, 0, sizeof config);
-  config.gridDimX = std::get<0>(grid);
-  config.gridDimY = std::get<1>(grid);
-  config.gridDimZ = std::get<2>(grid);
-  config.blockDimX = std::get<0>(block);
-  config.blockDimY = std::get<1>(block);
-  config.blockDimZ = std::get<2>(block);
-  config.sharedMemBytes = shared_mem;
+  CUlaunchConfig config = make_config(grid, block, shared_mem);
   config.hStream = reinterpret_cast<CUstream>(stream);
   CUlaunchAttribute attrs[2];
   std::memset(attrs, 0, sizeof attrs);
@@ -289,13 +302,7 @@ void launch(int device, std::uintptr_t func, const Dim3& grid, const Dim3& block
     attrs[num_attrs].value.cooperative = 1;
     ++num_attrs;
   }
-  if (std::get<0>(cluster) != 0) {
-    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attrs[num_attrs].value.clusterDim.x = std::get<0>(cluster);
-    attrs[num_attrs].value.clusterDim.y = std::get<1>(cluster);
-    attrs[num_attrs].value.clusterDim.z = std::get<2>(cluster);
-    ++num_attrs;
-  }
+  if (std::get<0>(cluster) != 0) set_cluster(attrs[num_attrs++], cluster);
   config.attrs = num_attrs ? attrs : nullptr;
   config.numAttrs = num_attrs;
 
@@ -312,21 +319,9 @@ int max_active_clusters(int device, std::uintptr_t func, const Dim3& block, unsi
                         const Dim3& cluster) {
   const Driver& d = driver();
   if (d.occupancyMaxActiveClusters == nullptr) return -1;
-  CUlaunchConfig config;
-  std::memset(&config, 0, sizeof config);
-  config.gridDimX = std::get<0>(cluster);
-  config.gridDimY = std::get<1>(cluster);
-  config.gridDimZ = std::get<2>(cluster);
-  config.blockDimX = std::get<0>(block);
-  config.blockDimY = std::get<1>(block);
-  config.blockDimZ = std::get<2>(block);
-  config.sharedMemBytes = shared_mem;
+  CUlaunchConfig config = make_config(cluster, block, shared_mem);  // one cluster's worth of grid
   CUlaunchAttribute attr;
-  std::memset(&attr, 0, sizeof attr);
-  attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-  attr.value.clusterDim.x = std::get<0>(cluster);
-  attr.value.clusterDim.y = std::get<1>(cluster);
-  attr.value.clusterDim.z = std::get<2>(cluster);
+  set_cluster(attr, cluster);
   config.attrs = &attr;
   config.numAttrs = 1;
   ContextScope scope(device);
