@@ -95,7 +95,7 @@ def launch_fwd(
     if n_rows == 0:
         return
     if grad is not None and logits.is_cuda and applied is not None:
-        # The CUDA cluster kernel (one read of the logits instead of two) where it applies.
+        # The CUDA cluster kernel (one read of the logits instead of two) when turned on (opt-in) and it applies.
         if try_launch(
             logits, target, red, opts, loss=loss, lse=lse, zloss=zloss, grad=grad, applied=applied,
             has_class_weight=class_weight is not None, entropy=entropy is not None,
