@@ -1,5 +1,6 @@
 """Helpers shared by the multi-process vocab-parallel tests: per-section results gathered from every
-rank, poisoned allocator memory on CUDA, identical targets on every rank, and error-message checks."""
+rank, poisoned allocator memory on CUDA, identical targets on every rank, error-message checks, and the
+switches every one of them uses (interpreter flag, CPU-variant skip, the GPU workers' environment)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,22 @@ import time
 import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_variant = pytest.mark.skipif(
+    not INTERPRET, reason="the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1"
+)
+# GPU workers: NVSHMEM over the loopback bootstrap on one host, NVLink multicast off (not available here).
+GPU_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "LCK_TEST_PG_TIMEOUT": "300",
+}
 
 
 def _poison_cached_memory(device: str) -> None:

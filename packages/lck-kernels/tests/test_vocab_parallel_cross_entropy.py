@@ -8,31 +8,27 @@ GPU variant (``multigpu(2)``): 2 NCCL processes, the runtime configured (NVSHMEM
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 from _tolerances import assert_close
-from _tp_helpers import _expect_error, _poison_cached_memory, _same_targets, _section, _sections, _timed
+from _tp_helpers import (
+    GPU_ENV,
+    INTERPRET,
+    _expect_error,
+    _poison_cached_memory,
+    _same_targets,
+    _section,
+    _sections,
+    _timed,
+    cpu_variant,
+)
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager
 
 from lck_runtime.testing import run_workers
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu_variant = pytest.mark.skipif(
-    not INTERPRET, reason="the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1"
-)
 CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
-GPU_ENV = {
-    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-    "NVSHMEM_REMOTE_TRANSPORT": "none",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "LCK_TEST_PG_TIMEOUT": "300",
-}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -42,27 +42,18 @@ its workers unless the environment has them). Target: TP8 forward+backward ≤ 0
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import pytest
 import torch
-from _tp_helpers import _expect_error, _section, _sections, _timed
+from _tp_helpers import GPU_ENV as _TP_GPU_ENV
+from _tp_helpers import INTERPRET, _expect_error, _section, _sections, _timed
 from test_vocab_parallel_fused_linear_scaled_cross_entropy import _case, _same_messages
 
 from lck_runtime.testing import run_workers
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "120", "LCK_SETUP_TIMEOUT": "120"}
-GPU_ENV = {
-    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-    "NVSHMEM_REMOTE_TRANSPORT": "none",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "LCK_TEST_PG_TIMEOUT": "300",
-    "LCK_SETUP_TIMEOUT": "180",
-}
+GPU_ENV = {**_TP_GPU_ENV, "LCK_SETUP_TIMEOUT": "180"}
 # Bounded so that a slow or stuck run fails inside a device stage with every rank's section timings.
 GPU_TIMEOUT = 300
 CPU_TIMEOUT = 420
