@@ -135,6 +135,18 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bo
             return f"gradient differs by {((g - r).norm() / r.norm()).item():.2e}"
         return None
 
+    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1, "cuda": 0}
+    if quick:  # the Triton default against running maxima per warp-wide strip (warp_max), by tile and warps
+        default = {**base, "reverse": 0, "programs_per_sm": 0, "warp_max": 0}
+        sweep.run(kernel, default, grad_fn, 2 * nbytes, copy_rate, check=check)
+        strips = {**default, "warp_max": 1}
+        for p in (
+            {}, {"programs_per_sm": 1}, {"prefetch": 0}, {"block_bytes": 16384}, {"block_bytes": 65536},
+            {"block_bytes": 16384, "warps": 16}, {"block_bytes": 16384, "warps": 16, "programs_per_sm": 2},
+            {"block_bytes": 8192, "warps": 8, "programs_per_sm": 4}, {"grad_ahead": 1},
+        ):  # fmt: skip
+            sweep.run(kernel, {**strips, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
+        return (_best(sweep, kernel) or [{}])[0]
     # The CUDA cluster kernel (one read of each row, kept in shared memory): blocks per row and threads per
     # block. 8 blocks of 512 threads fit two blocks per SM; 4 blocks use 128 KiB of shared memory, one per SM.
     from lck_kernels import _cross_entropy_cuda
@@ -143,12 +155,6 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bo
         sweep.run(kernel, {"cuda": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
     # (kernel, device, threads, cluster, shared bytes) -> clusters resident at once (the grid's cluster count)
     print("  resident clusters:", {k[2:]: v for k, v in _cross_entropy_cuda._RESIDENT.items()}, flush=True)
-    base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1, "cuda": 0}
-    if quick:  # the Triton kernel's default only (its full sweep: tune-cross-entropy-h200-2026-11-30.json)
-        sweep.run(
-            kernel, {**base, "reverse": 0, "programs_per_sm": 0}, grad_fn, 2 * nbytes, copy_rate, check=check
-        )
-        return (_best(sweep, kernel) or [{}])[0]
     # The second pass last tile first (reverse=1) against first tile first, then tiles and warps; teams
     # (split) last: on 2026-11-30 they were slower at every size (2: 1.89 ms, 4: 2.45, 8: 3.7-5.9 against
     # 1.54 without), the waits for partners' records costing more than the L2 hits gain.
@@ -203,7 +209,7 @@ def _sweep_fwd_and_bwd(sweep: Sweep, copy_rate: float, logits, target) -> dict[s
     fwd_op = torch.ops.lck.cross_entropy_fwd
     print("4. loss only (cross_entropy_fwd)", flush=True)
     loss_fn = lambda: fwd_op(logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False)
-    for p in _grid(block_bytes=(8192, 4096), warps=(8, 4), prefetch=(1, 0)):
+    for p in _grid(block_bytes=(8192, 4096), warps=(8, 4), prefetch=(1, 0), warp_max=(0, 1)):
         sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
     for p in _best(sweep, "cross_entropy_fwd", 2):
         for per_sm in (2, 4):
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grad-only",
         action="store_true",
-        help="only steps 1 and 2, step 1 for the CUDA kernel and the Triton default (~1 minute)",
+        help="only steps 1, 2 and 4, for the Triton default against warp_max variants (~1 minute)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -361,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target, quick=args.grad_only)}
     _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
     if args.grad_only:
+        print("4. loss only (cross_entropy_fwd), by warp_max", flush=True)
+        loss_fn = lambda: torch.ops.lck.cross_entropy_fwd(
+            logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False
+        )
+        nbytes = logits.numel() * logits.element_size()
+        for p in _grid(warp_max=(0, 1), block_bytes=(4096, 8192)):
+            sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
+        best["cross_entropy_fwd"] = (_best(sweep, "cross_entropy_fwd") or [{}])[0]
         stem = f"tune-cross-entropy-grad-{gpu_slug()}-{_dt.date.today().isoformat()}"
         write_results(sweep.records, args.out, stem, meta={"copy_rate_bytes_per_s": copy_rate, "best": best})
         print("best cross_entropy_fwd_grad:", best["cross_entropy_fwd_grad"])

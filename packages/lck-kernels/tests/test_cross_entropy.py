@@ -265,6 +265,9 @@ def test_reference_matches_torch_reduced_loss():
         # two tiles of look-ahead in the statistics pass, one in the gradient pass (forward and reversed)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 2, "grad_ahead": 1},
         {"block_bytes": 256, "programs_per_sm": 0, "prefetch": 2, "grad_ahead": 1, "reverse": 1},
+        # running maxima per warp-wide strip ([R, W] tiles: 2 strips of 128 fp32 columns)
+        {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1},
+        {"block_bytes": 1024, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "warp_max": 1},
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
@@ -279,6 +282,7 @@ def test_tiled_rows_and_persistent_grids(params, poisoned):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
         assert cfg["PREFETCH"] == params["prefetch"] and cfg["SPLIT"] == params.get("split", 1)
+        assert cfg["WARP_MAX"] == bool(params.get("warp_max", 0))
         if "sm_pct" in params:  # one program per SM on a fraction of the SMs (4 stand-in SMs on CPU)
             assert cfg["grid"][0] == min(11, max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100))
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
@@ -381,6 +385,35 @@ def test_split_rows_match_float64_reference_gpu(params, poisoned):
         check_against_reference(
             4096, 151936, torch.bfloat16, "sum", seed=23, rows_per_chunk=512, in_place=True
         )
+
+
+@gpu
+@pytest.mark.parametrize(
+    "params", [{"warp_max": 1}, {"warp_max": 1, "block_bytes": 16384, "warps": 16}], ids=str
+)
+def test_strip_maxima_match_float64_reference_gpu(params, poisoned):
+    """Running maxima per warp-wide strip (bf16: 64 strips of 256 columns per 32 KiB tile) at real sizes."""
+    with (
+        tuning("cross_entropy_fwd_grad", cuda=0, **params),
+        tuning("cross_entropy_fwd", **params),
+    ):
+        assert ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))["WARP_MAX"]
+        check_against_reference(
+            8192,
+            128256,
+            torch.bfloat16,
+            "mean",
+            seed=31,
+            rows_per_chunk=512,
+            **_options("everything", 128256),
+        )
+        check_against_reference(
+            4096, 151936, torch.bfloat16, "sum", seed=32, rows_per_chunk=512, in_place=True
+        )
+        logits, target = make_case(512, 128256, torch.bfloat16, seed=33)
+        loss = cross_entropy(logits, target, reduction="none")  # the loss-only kernel
+        ref = F.cross_entropy(logits.double(), target, reduction="none")
+        assert_close(loss, ref, torch.bfloat16, name="loss without gradient")
 
 
 def test_minus_inf_logits_are_masked_classes():

@@ -101,11 +101,15 @@ def _ce_logit2(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr, OTHER: tl.constexpr):
-    cols = start + tl.arange(0, BLOCK)
+def _ce_load_at(x_row, cols, n_cols, EVICT: tl.constexpr, OTHER: tl.constexpr):
     if EVICT:  # keep the row in L2 for the gradient pass that follows
         return tl.load(x_row + cols, mask=cols < n_cols, other=OTHER, eviction_policy="evict_last")
     return tl.load(x_row + cols, mask=cols < n_cols, other=OTHER)
+
+
+@triton.jit
+def _ce_load_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr, OTHER: tl.constexpr):
+    return _ce_load_at(x_row, start + tl.arange(0, BLOCK), n_cols, EVICT, OTHER)
 
 
 @triton.jit
@@ -120,6 +124,107 @@ def _ce_grad_tile(x_row, start, n_cols, BLOCK: tl.constexpr, EVICT: tl.constexpr
 
 @triton.jit
 def _ce_row_stats(
+    x_row,
+    n_cols,
+    t_local,
+    w_ptr,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    WARP_MAX: tl.constexpr = False,
+):
+    # WARP_MAX (tuning key warp_max): running maxima per warp-wide strip instead of per tile, so a tile
+    # needs no block-wide reduction (no shared memory, no barrier); see _ce_row_stats_strips.
+    if WARP_MAX:
+        m, s, q, sw, zt = _ce_row_stats_strips(
+            x_row, n_cols, t_local, w_ptr, scale, softcap,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+        )  # fmt: skip
+    else:
+        m, s, q, sw, zt = _ce_row_stats_tiles(
+            x_row, n_cols, t_local, w_ptr, scale, softcap,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+        )  # fmt: skip
+    return m, s, q, sw, zt
+
+
+@triton.jit
+def _ce_row_stats_strips(
+    x_row,
+    n_cols,
+    t_local,
+    w_ptr,
+    scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    # The tile as R strips of W columns, W = one warp's 16-byte loads (32 lanes x 16 B): Triton lays a
+    # [R, W] tile out with whole strips per warp, so the per-strip maximum is a warp shuffle, not a
+    # block-wide reduction through shared memory with a barrier. Each strip keeps its own running maximum;
+    # the strips merge once per row (max-rescaled sums, as shards do). Same results as the per-tile form
+    # up to float32 rounding of the sums.
+    OTHER: tl.constexpr = 0.0 if HAS_SOFTCAP else float("-inf")
+    BITS: tl.constexpr = x_row.dtype.element_ty.primitive_bitwidth
+    W: tl.constexpr = BLOCK if BLOCK * BITS <= 4096 else 4096 // BITS
+    R: tl.constexpr = BLOCK // W
+    offs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
+    m = tl.full((R,), -3.0e38, tl.float32)
+    s = tl.zeros((R, W), tl.float32)
+    q = tl.zeros((R, W), tl.float32)
+    sw = tl.zeros((), tl.float32)
+    if PREFETCH >= 1:
+        x_next = _ce_load_at(x_row, offs, n_cols, EVICT, OTHER)
+    for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
+        cols = start + offs
+        if PREFETCH >= 1:
+            x = x_next
+            x_next = _ce_load_at(x_row, cols + BLOCK, n_cols, EVICT, OTHER)
+        else:
+            x = _ce_load_at(x_row, cols, n_cols, EVICT, OTHER)
+        z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z2 = tl.where(cols < n_cols, z2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z2, 1))
+        e = tl.exp2(z2 - m_new[:, None])
+        alpha = tl.exp2(m - m_new)[:, None]
+        s = s * alpha + e
+        if ENTROPY:
+            q = q * alpha + tl.where(e > 0.0, e * z2, 0.0)
+        if SMOOTH:
+            mask = cols < n_cols
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sw += tl.sum(tl.sum(tl.where(mask, w * z2, 0.0), 1), 0)
+            else:
+                sw += tl.sum(tl.sum(tl.where(mask, z2, 0.0), 1), 0)
+        m = m_new
+    big_m = tl.max(m, 0)
+    r = tl.exp2(m - big_m)
+    has_t = t_local >= 0
+    xt = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
+    zt = tl.where(has_t, _ce_logit(xt, scale, softcap, HAS_SOFTCAP), 0.0)
+    ln2 = 0.6931471805599453
+    s_all = tl.sum(tl.sum(s, 1) * r, 0)
+    q_all = tl.sum(tl.sum(q, 1) * r, 0) * ln2
+    return big_m * ln2, s_all, q_all, sw * ln2, zt
+
+
+@triton.jit
+def _ce_row_stats_tiles(
     x_row,
     n_cols,
     t_local,
@@ -378,6 +483,7 @@ def _ce_fwd_kernel(
     PREFETCH: tl.constexpr,
     REVERSE: tl.constexpr,
     GRAD_AHEAD: tl.constexpr,
+    WARP_MAX: tl.constexpr,
 ):
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
@@ -393,7 +499,7 @@ def _ce_fwd_kernel(
         )
         m, s, q, sw, zt = _ce_row_stats(
             x_row, n_cols, t_local, weight_ptr, scale, softcap,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, WARP_MAX,
         )  # fmt: skip
         lse = m + tl.log(s)
         _ce_store_row(
@@ -667,6 +773,7 @@ _DEFAULTS = {
     # the copy rate, once the row math moved to base 2 without per-element selects).
     "cross_entropy_fwd": {
         "block_bytes": 4096, "warps": 4, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
+        "warp_max": 0,
     },
     # 32 KiB tiles, 1024 threads, the next tile loaded before the current one is reduced, eviction hints
     # (1.51–1.57 ms: 63–66% of the copy rate counted as one read and one write, before the base-2 row
@@ -676,7 +783,7 @@ _DEFAULTS = {
     # grad_ahead 1.62 (one program per SM is paced by its per-tile reduction, so fewer SMs stream less).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0,
+        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0, "warp_max": 0,
         # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
         # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
         # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
@@ -737,6 +844,7 @@ def ce_launch_config(
         "CHUNK": triton.cdiv(tiles, split) * block,
         "REVERSE": bool(cfg.get("reverse", 0)),
         "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
+        "WARP_MAX": bool(cfg.get("warp_max", 0)),
     }
 
 

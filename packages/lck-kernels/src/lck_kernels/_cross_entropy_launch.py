@@ -151,6 +151,7 @@ def launch_fwd(
         PREFETCH=cfg["PREFETCH"],
         REVERSE=cfg["REVERSE"],
         GRAD_AHEAD=cfg["GRAD_AHEAD"],
+        WARP_MAX=cfg["WARP_MAX"],
         num_warps=cfg["num_warps"],
     )
 
