@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -107,7 +108,9 @@ def _ce_inputs():
     return logits, target
 
 
-def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bool = False) -> dict:
+def _sweep_fwd_grad(
+    sweep: Sweep, copy_rate: float, logits, target, *, quick: bool = False, configs: list[dict] | None = None
+) -> dict:
     import lck_kernels.cross_entropy  # noqa: F401  (registers torch.ops.lck.cross_entropy_*)
 
     nbytes = logits.numel() * logits.element_size()
@@ -140,7 +143,7 @@ def _sweep_fwd_grad(sweep: Sweep, copy_rate: float, logits, target, *, quick: bo
         default = {**base, "reverse": 0, "programs_per_sm": 0, "warp_max": 0}
         sweep.run(kernel, default, grad_fn, 2 * nbytes, copy_rate, check=check)
         strips = {**default, "warp_max": 1}
-        for p in (
+        for p in configs or (
             {}, {"programs_per_sm": 1}, {"prefetch": 0}, {"block_bytes": 16384}, {"block_bytes": 65536},
             {"block_bytes": 16384, "warps": 16}, {"block_bytes": 16384, "warps": 16, "programs_per_sm": 2},
             {"block_bytes": 8192, "warps": 8, "programs_per_sm": 4}, {"grad_ahead": 1},
@@ -356,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only steps 1, 2 and 4, for the Triton default against warp_max variants (~1 minute)",
     )
+    parser.add_argument(
+        "--configs",
+        help="with --grad-only: a JSON list of overrides of the warp_max configuration to time instead of "
+        'the built-in list, e.g. \'[{"reverse": 1}, {"stages": 2}]\'',
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print("tune_cross_entropy: needs a CUDA GPU", file=sys.stderr)
@@ -364,7 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device-to-device copy: {copy_rate / 1e9:.0f} GB/s", flush=True)
     sweep = Sweep(args.budget_s)
     logits, target = _ce_inputs()
-    best = {"cross_entropy_fwd_grad": _sweep_fwd_grad(sweep, copy_rate, logits, target, quick=args.grad_only)}
+    configs = json.loads(args.configs) if args.configs else None
+    best = {
+        "cross_entropy_fwd_grad": _sweep_fwd_grad(
+            sweep, copy_rate, logits, target, quick=args.grad_only, configs=configs
+        )
+    }
     _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
     if args.grad_only:
         print("4. loss only (cross_entropy_fwd), by warp_max", flush=True)
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False
         )
         nbytes = logits.numel() * logits.element_size()
-        for p in _grid(warp_max=(0, 1), block_bytes=(4096, 8192)):
+        for p in _grid(warp_max=(0, 1), block_bytes=(4096, 8192, 16384), warps=(4, 8)):
             sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
         best["cross_entropy_fwd"] = (_best(sweep, "cross_entropy_fwd") or [{}])[0]
         stem = f"tune-cross-entropy-grad-{gpu_slug()}-{_dt.date.today().isoformat()}"

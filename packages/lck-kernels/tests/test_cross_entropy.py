@@ -271,6 +271,7 @@ def test_reference_matches_torch_reduced_loss():
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
+        {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "split": 2, "warp_max": 1},
         {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0, "split": 2},
     ],
     ids=str,

@@ -138,7 +138,7 @@ def _ce_row_stats(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
-    WARP_MAX: tl.constexpr = False,
+    WARP_MAX: tl.constexpr,
 ):
     # WARP_MAX (tuning key warp_max): running maxima per warp-wide strip instead of per tile, so a tile
     # needs no block-wide reduction (no shared memory, no barrier); see _ce_row_stats_strips.
@@ -564,6 +564,7 @@ def _ce_fwd_split_kernel(
     PREFETCH: tl.constexpr,
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
+    WARP_MAX: tl.constexpr,
 ):
     """Loss and gradient with each row split over a team of ``SPLIT`` programs (see the module docstring)."""
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
@@ -595,7 +596,7 @@ def _ce_fwd_split_kernel(
         if PHASE != 2:
             m, s, q, sw, zt = _ce_row_stats(
                 x_row + c0, c_len, t_chunk, weight_ptr + c0, scale, softcap,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, WARP_MAX,
             )  # fmt: skip
             v = tl.where(
                 lane == 0, m, tl.where(lane == 1, s, tl.where(lane == 2, q, tl.where(lane == 3, sw, zt)))

@@ -119,7 +119,8 @@ def launch_fwd(
                 eps, z_scale, scale, softcap,
                 BLOCK=cfg["BLOCK"], SPLIT=cfg["SPLIT"], **opts.flags(class_weight is not None),
                 ENTROPY=entropy is not None, EVICT=cfg["EVICT"], NUM_STAGES=cfg["NUM_STAGES"],
-                PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=k.MAX_SPIN, num_warps=cfg["num_warps"],
+                PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=k.MAX_SPIN, WARP_MAX=cfg["WARP_MAX"],
+                num_warps=cfg["num_warps"],
             )  # fmt: skip
         return
     _kernel(k._ce_fwd_kernel, wrap)[cfg["grid"]](

@@ -60,6 +60,7 @@ def _vp_shard_stats_kernel(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    WARP_MAX: tl.constexpr,
 ):
     scale = _f32(scale)  # fp64 when Inductor launches the kernel
     pid = tl.program_id(0)
@@ -71,7 +72,7 @@ def _vp_shard_stats_kernel(
         mine = (t != ignore_index) & (local >= 0) & (local < n_cols)
         m, s, q, sz, zt = _ce_row_stats(
             z_ptr + row64 * z_row_stride, n_cols, tl.where(mine, local, -1), z_ptr, scale, 1.0,
-            BLOCK, False, SMOOTH, False, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
+            BLOCK, False, SMOOTH, False, ENTROPY, EVICT, NUM_STAGES, PREFETCH, WARP_MAX,
         )  # fmt: skip
         out = stats_ptr + (row64 * tp + slot) * 5
         tl.store(out + 0, m)
@@ -267,6 +268,7 @@ def shard_stats(
         EVICT=False,
         NUM_STAGES=cfg["NUM_STAGES"],
         PREFETCH=cfg["PREFETCH"],
+        WARP_MAX=cfg["WARP_MAX"],
         num_warps=cfg["num_warps"],
     )
 
