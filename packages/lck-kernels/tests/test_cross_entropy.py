@@ -268,6 +268,16 @@ def test_reference_matches_torch_reduced_loss():
         # running maxima per warp-wide strip ([R, W] tiles: 2 strips of 128 fp32 columns)
         {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1},
         {"block_bytes": 1024, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "warp_max": 1},
+        # the target column written after the tiles (fixup), with and without the gradient look-ahead
+        {
+            "block_bytes": 1024,
+            "programs_per_sm": 1,
+            "prefetch": 1,
+            "warp_max": 1,
+            "grad_ahead": 1,
+            "fixup": 1,
+        },
+        {"block_bytes": 256, "programs_per_sm": 0, "prefetch": 0, "fixup": 1, "reverse": 1},
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
@@ -278,7 +288,8 @@ def test_reference_matches_torch_reduced_loss():
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    loss_only = {k: v for k, v in params.items() if k not in ("split", "reverse", "sm_pct", "grad_ahead")}
+    grad_only = ("split", "reverse", "sm_pct", "grad_ahead", "fixup")
+    loss_only = {k: v for k, v in params.items() if k not in grad_only}
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
@@ -288,7 +299,10 @@ def test_tiled_rows_and_persistent_grids(params, poisoned):
             assert cfg["grid"][0] == min(11, max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100))
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
         check_against_reference(11, 500, torch.float32, "none", seed=6, **_options("plain", 500))
-        if cfg["SPLIT"] > 1:  # each program overwrites only its own slice of the row
+        assert cfg["FIXUP"] == bool(params.get("fixup", 0))
+        # each program of a team overwrites only its own slice of the row; fixup reads the target's logit
+        # before the tiles overwrite it
+        if cfg["SPLIT"] > 1 or cfg["FIXUP"]:
             check_against_reference(
                 11, 500, torch.float32, "sum", seed=22, in_place=True, label_smoothing=0.1
             )
@@ -353,6 +367,7 @@ def test_split_kernel_gives_up_instead_of_hanging():
         logits, v, grad, v, target, lse, red, loss, lse, lse, lse, applied, part, n, v, v // split, ignore_index,
         eps, z_scale, scale, softcap, BLOCK=64, SPLIT=split, HAS_WEIGHT=False, SMOOTH=False, HAS_Z=False,
         HAS_SOFTCAP=False, ENTROPY=False, EVICT=False, NUM_STAGES=1, PREFETCH=False, PHASE=0, MAX_SPIN=3,
+        WARP_MAX=False,
     )  # fmt: skip
     assert part[-1].item() == 1, "the abort flag is raised"
     assert torch.isnan(loss).all() and torch.isnan(grad[:, : v // split]).all(), "no partner: NaN rows"
@@ -390,13 +405,15 @@ def test_split_rows_match_float64_reference_gpu(params, poisoned):
 
 @gpu
 @pytest.mark.parametrize(
-    "params", [{"warp_max": 1}, {"warp_max": 1, "block_bytes": 16384, "warps": 16}], ids=str
+    "params",
+    [{"warp_max": 1}, {"warp_max": 1, "block_bytes": 16384, "warps": 16}, {"warp_max": 1, "fixup": 1}],
+    ids=str,
 )
 def test_strip_maxima_match_float64_reference_gpu(params, poisoned):
     """Running maxima per warp-wide strip (bf16: 64 strips of 256 columns per 32 KiB tile) at real sizes."""
     with (
         tuning("cross_entropy_fwd_grad", cuda=0, **params),
-        tuning("cross_entropy_fwd", **params),
+        tuning("cross_entropy_fwd", **{k: v for k, v in params.items() if k != "fixup"}),
     ):
         assert ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))["WARP_MAX"]
         check_against_reference(

@@ -293,6 +293,30 @@ def _ce_row_stats_tiles(
 
 
 @triton.jit
+def _ce_grad_value(
+    x, w, is_t, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
+    HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
+):  # fmt: skip
+    # dL/dx for logits x (a tile or one value); the coefficients come premultiplied by ``scale``. TARGET
+    # False leaves out the target's -coef_t term (added by a separate store).
+    z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
+    p = tl.exp2(z2 - lse2)
+    d = p * coef_p
+    if ENTROPY or HAS_SOFTCAP:
+        z = z2 * 0.6931471805599453
+    if ENTROPY:
+        d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
+    if SMOOTH:
+        d -= coef_w * w
+    if TARGET:
+        d = tl.where(is_t, d - coef_t, d)
+    if HAS_SOFTCAP:
+        r = z / softcap
+        d = d * (1.0 - r * r)
+    return d
+
+
+@triton.jit
 def _ce_row_grad(
     x_row,
     g_row,
@@ -316,11 +340,22 @@ def _ce_row_grad(
     NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr,
     AHEAD: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     # REVERSE walks the tiles last to first: right after a statistics pass over the same row, the tiles
     # read last are the likeliest still in L2, whereas a forward walk starts with the oldest. AHEAD loads
-    # the next tile while this one is computed and stored.
+    # the next tile while this one is computed and stored. FIXUP (tuning key ``fixup``) leaves the target
+    # term out of the tiles (no per-element compare and select) and writes the target column afterwards,
+    # from its logit loaded before the loop (the gradient may overwrite the logits), once the block's tile
+    # stores are ordered before it by a barrier.
     lse2 = lse * 1.4426950408889634  # base 2, as _ce_logit2
+    coef_p, coef_t, coef_w, coef_e = coef_p * scale, coef_t * scale, coef_w * scale, coef_e * scale
+    has_t = t_local >= 0
+    if FIXUP:
+        x_t = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
+        w_t = 1.0
+        if SMOOTH and HAS_WEIGHT:
+            w_t = tl.load(w_ptr + tl.where(has_t, t_local, 0), mask=has_t, other=0.0).to(tl.float32)
     n_tiles = tl.cdiv(n_cols, BLOCK)
     if AHEAD:
         x_next = _ce_grad_tile(x_row, (n_tiles - 1) * BLOCK if REVERSE else 0, n_cols, BLOCK, EVICT)
@@ -338,27 +373,24 @@ def _ce_row_grad(
             x_next = _ce_grad_tile(x_row, after, n_cols, BLOCK, EVICT)
         else:
             x = _ce_grad_tile(x_row, start, n_cols, BLOCK, EVICT)
-        z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
-        p = tl.exp2(z2 - lse2)
-        d = p * coef_p
-        if ENTROPY or HAS_SOFTCAP:
-            z = z2 * 0.6931471805599453
-        if ENTROPY:
-            d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
-        if SMOOTH:
-            if HAS_WEIGHT:
-                d -= coef_w * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                d -= coef_w
-        d = tl.where(cols == t_local, d - coef_t, d)
-        if HAS_SOFTCAP:
-            r = z / softcap
-            d = d * (1.0 - r * r)
-        d = (d * scale).to(g_row.dtype.element_ty)
+        w = 1.0
+        if SMOOTH and HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        d = _ce_grad_value(
+            x, w, cols == t_local, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
+            HAS_SOFTCAP, SMOOTH, ENTROPY, not FIXUP,
+        ).to(g_row.dtype.element_ty)  # fmt: skip
         if EVICT:
             tl.store(g_row + cols, d, mask=mask, eviction_policy="evict_first")
         else:
             tl.store(g_row + cols, d, mask=mask)
+    if FIXUP:
+        d_t = _ce_grad_value(
+            x_t, w_t, True, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
+            HAS_SOFTCAP, SMOOTH, ENTROPY, True,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's tile stores land before the target column is rewritten
+        tl.store(g_row + tl.where(has_t, t_local, 0), d_t.to(g_row.dtype.element_ty), mask=has_t)
 
 
 @triton.jit
@@ -484,6 +516,7 @@ def _ce_fwd_kernel(
     REVERSE: tl.constexpr,
     GRAD_AHEAD: tl.constexpr,
     WARP_MAX: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
@@ -513,7 +546,7 @@ def _ce_fwd_kernel(
             _ce_row_grad(
                 x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
                 lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE, GRAD_AHEAD,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE, GRAD_AHEAD, FIXUP,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0)
 
@@ -640,7 +673,7 @@ def _ce_fwd_split_kernel(
             _ce_row_grad(
                 x_row + c0, grad_ptr + row64 * grad_stride + c0, c_len, t_chunk, weight_ptr + c0, scale,
                 softcap, lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False, False,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False, False, False,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0, mask=lead)
 
@@ -710,7 +743,7 @@ def _ce_bwd_kernel(
         _ce_row_grad(
             x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
             lse, ez, coef_p, coef_t, coef_w, ge,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False, False,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False, False, False,
         )  # fmt: skip
 
 
@@ -784,7 +817,7 @@ _DEFAULTS = {
     # grad_ahead 1.62 (one program per SM is paced by its per-tile reduction, so fewer SMs stream less).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0, "warp_max": 0,
+        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0, "warp_max": 0, "fixup": 0,
         # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
         # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
         # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
@@ -846,6 +879,7 @@ def ce_launch_config(
         "REVERSE": bool(cfg.get("reverse", 0)),
         "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
         "WARP_MAX": bool(cfg.get("warp_max", 0)),
+        "FIXUP": bool(cfg.get("fixup", 0)),
     }
 
 
