@@ -31,30 +31,32 @@ received count above ``num_worst_tokens`` drops the rows past it (``handle.num_r
 Backends. Data moves over ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU; the
 reference backend). On CUDA the dispatch layout comes from the JIT-compiled layout kernel
 (``layout="auto"`` when nvcc and the runtime JIT are available, or ``"kernel"``), else from torch
-ops; both give identical layouts.
+ops; both give identical layouts. The construction checks live in :mod:`lck_ep._construction`, the
+data movement after a call's agreement in :mod:`lck_ep._exchange`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from lck_ep import reference
+from lck_ep import _exchange, reference
+from lck_ep._construction import check_args, check_group, resolve_device
+
+# Re-exported: lck_ep.benchmark imports it from this module.
+from lck_ep._construction import kernel_layout_available as kernel_layout_available
 from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, agree
 from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispatch, check_tensor
 from lck_ep.events import Event
-from lck_ep.expanded import build_expanded, expanded_capacity, gather_expanded, reduce_expanded
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout, get_dispatch_layout
 
 __all__ = ["Buffer", "CombineOutput", "DispatchOutput"]
 
 _UIDS = itertools.count(1)
-MAX_TOPK = 64
 
 
 class DispatchOutput(NamedTuple):
@@ -80,25 +82,6 @@ class DispatchOutput(NamedTuple):
 class CombineOutput(NamedTuple):
     combined_x: torch.Tensor
     event: Event
-
-
-def _moe_context(group: dist.ProcessGroup) -> Any:
-    """The runtime's configured MoE context for ``group``, or None (not configured / older runtime)."""
-    try:
-        from lck_runtime import moe_context  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from lck_runtime.contexts import moe_context
-        except ImportError:
-            return None
-    return moe_context(group, required=False)
-
-
-def kernel_layout_available() -> bool:
-    """True when the layout kernel can be built here: nvcc found and the runtime JIT importable."""
-    from lck_runtime.toolchain import find_nvcc
-
-    return find_nvcc() is not None and importlib.util.find_spec("lck_runtime.jit") is not None
 
 
 class Buffer:
@@ -134,45 +117,26 @@ class Buffer:
         layout: str = "auto",
         device: torch.device | str | None = None,
     ) -> None:
-        where = "Buffer"
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"{where}: torch.distributed is not initialised; call init_process_group first"
-            )
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"{where}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
-            )
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ValueError(
-                f"{where}: this process (global rank {dist.get_rank()}) is not a member of group"
-            )
-        world = dist.get_world_size(group)
+        rank, world, backend = check_group(group)
         self.group, self.rank, self.num_ranks = group, rank, world
-        backend = str(dist.get_backend(group)).lower()
-        # The agreement always runs on the group's own device kind, so that a bad `device` argument is
-        # reported (the same way on every rank) instead of breaking the collective that reports it.
-        home = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        try:
-            self.device = home if device is None else torch.device(device)
-        except (TypeError, RuntimeError) as exc:
-            self.device = home
-            bad_device: BaseException | None = ValueError(
-                f"{where}: device={device!r} is not a device: {exc}"
-            )
-        else:
-            bad_device = None
-        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        error: BaseException | None = bad_device
-        try:
-            if bad_device is None:
-                self._check_init(
-                    max_tokens_per_rank, hidden, num_topk, num_experts, sync_free, layout, backend
+        home, self.device, error = resolve_device(device, backend)
+        settled = None
+        if error is None:
+            try:
+                settled = check_args(
+                    group,
+                    world,
+                    self.device,
+                    backend,
+                    max_tokens_per_rank,
+                    hidden,
+                    num_topk,
+                    num_experts,
+                    sync_free,
+                    layout,
                 )
-        except (TypeError, ValueError) as exc:
-            error = exc
+            except (TypeError, ValueError) as exc:
+                error = exc
         digest = None
         if error is None:
             digest = [
@@ -185,6 +149,10 @@ class Buffer:
                 int(self.device.type == "cuda"),
             ]
         agree(group, home, error, BUFFER_FIELDS, digest, None, 0)
+        assert settled is not None
+        self.use_kernel_layout = settled.use_kernel_layout
+        self.moe_context = settled.moe_context
+        self.num_hosts, self.gpus_per_host = settled.num_hosts, settled.gpus_per_host
         self.max_tokens_per_rank = max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
@@ -202,97 +170,6 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank,
             device=self.device,
         )
-
-    def _check_init(
-        self,
-        max_tokens: Any,
-        hidden: Any,
-        num_topk: Any,
-        num_experts: Any,
-        sync_free: Any,
-        layout: Any,
-        backend: str,
-    ) -> None:
-        where = "Buffer"
-        for name, v in (
-            ("max_tokens_per_rank", max_tokens),
-            ("hidden", hidden),
-            ("num_topk", num_topk),
-            ("num_experts", num_experts),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{where}: {name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{where}: {name} must be >= 1, got {v}")
-        if not isinstance(sync_free, bool):
-            raise TypeError(f"{where}: sync_free must be a bool, got {type(sync_free).__name__}")
-        if num_topk > min(num_experts, MAX_TOPK):
-            raise ValueError(
-                f"{where}: num_topk must be at most min(num_experts, {MAX_TOPK}) = {min(num_experts, MAX_TOPK)}, got {num_topk}"
-            )
-        if num_experts % self.num_ranks:
-            raise ValueError(
-                f"{where}: num_experts ({num_experts}) must be a multiple of the group size ({self.num_ranks}): "
-                "experts are placed contiguously, the same number on every rank"
-            )
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{where}: device must be cpu or cuda, got {self.device}")
-        if "nccl" in backend and self.device.type != "cuda":
-            raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={self.device}")
-        if backend == "gloo" and self.device.type != "cpu":
-            raise ValueError(f"{where}: a gloo group moves CPU tensors, got device={self.device}")
-        if layout not in ("auto", "kernel", "torch"):
-            raise ValueError(f"{where}: layout must be 'auto', 'kernel' or 'torch', got {layout!r}")
-        use_kernel = False
-        if layout == "kernel" or (layout == "auto" and self.device.type == "cuda"):
-            if self.device.type != "cuda":
-                raise ValueError(f"{where}: layout='kernel' needs a cuda device, got {self.device}")
-            available = kernel_layout_available()
-            if layout == "kernel" and not available:
-                raise ValueError(
-                    f"{where}: layout='kernel' needs nvcc and lck_runtime.jit; use layout='torch' or install them"
-                )
-            use_kernel = available
-        if use_kernel:
-            from lck_ep.jit import check_layout_problem
-            from lck_ep.knobs import KnobError
-
-            # Bad EP_* knob values are refused here, before any rank compiles anything. A problem
-            # too large for the kernel's shared-memory counters is an error only when the kernel was
-            # asked for; "auto" then uses the torch layout.
-            try:
-                check_layout_problem(num_experts=num_experts, num_ranks=self.num_ranks, num_topk=num_topk)
-            except KnobError:
-                raise
-            except ValueError:
-                if layout == "kernel":
-                    raise
-                use_kernel = False
-        self.use_kernel_layout = use_kernel
-        ctx = _moe_context(self.group)
-        self.moe_context = ctx
-        self.num_hosts, self.gpus_per_host = 1, self.num_ranks
-        if ctx is not None:
-            cfg = ctx.config
-            for name, have, cap in (
-                ("max_tokens_per_rank", max_tokens, cfg.max_tokens),
-                ("hidden", hidden, cfg.hidden_size),
-                ("num_topk", num_topk, cfg.top_k),
-            ):
-                if have > cap:
-                    raise ValueError(
-                        f"{where}: {name}={have} exceeds the configured MoEConfig capacity {cap} of this group"
-                    )
-            if num_experts != cfg.num_experts:
-                raise ValueError(
-                    f"{where}: num_experts={num_experts} differs from the configured MoEConfig.num_experts={cfg.num_experts}"
-                )
-            if ctx.size != self.num_ranks:
-                raise ValueError(
-                    f"{where}: the MoE context has {ctx.size} ranks but group has {self.num_ranks}"
-                )
-            self.num_hosts = int(ctx.num_hosts)
-            self.gpus_per_host = int(ctx.gpus_per_host)
 
     # ------------------------------------------------------------------ properties
 
@@ -338,6 +215,7 @@ class Buffer:
         return self._layout(topk_idx)
 
     def _layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        # This module's global, looked up per call: a test replaces it to prove that a replay skips it.
         return get_dispatch_layout(
             topk_idx, self.num_experts, self.num_ranks, use_kernel=self.use_kernel_layout
         )
@@ -421,8 +299,9 @@ class Buffer:
         table = agree(self.group, self.device, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
         assert plan is not None
         if plan.handle is not None:
-            return self._replay_synced(plan)
-        assert layout is not None and plan.topk_idx is not None
+            recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
+            return DispatchOutput(recv_x, None, None, plan.handle, Event(self.device))
+        assert layout is not None
         bad_ranks = [s for s in range(w) if int(table[s, 0])]
         if bad_ranks:
             raise ValueError(
@@ -434,134 +313,17 @@ class Buffer:
         send_counts = [int(v) for v in per_rank[r].tolist()]
         recv_counts = [int(v) for v in per_rank[:, r].tolist()]
         per_local = [int(v) for v in per_expert[:, r * big_l : (r + 1) * big_l].sum(0).tolist()]
-        got = reference.dispatch_synced(
-            self._topo,
-            plan.x,
-            layout=layout,
-            send_counts=send_counts,
-            recv_counts=recv_counts,
-            topk_idx=plan.topk_idx,
-            topk_weights=plan.topk_weights,
-        )
-        assert (
-            got.recv_topk_idx is not None and got.recv_src_idx is not None and got.recv_src_rank is not None
-        )
-        n = sum(recv_counts)
-        fields: dict[str, Any] = {}
-        recv_x = got.recv_x
-        if plan.expand:
-            a = plan.expert_alignment
-            m = sum((c + a - 1) // a * a for c in per_local)
-            recv_x, fields = _expand(got.recv_x, got.recv_topk_idx, big_l, a, m)
-        handle = DispatchHandle(
-            buffer_uid=self.uid,
-            seq=self._next_seq(),
-            num_tokens=plan.num_tokens,
-            num_topk=plan.num_topk,
-            hidden=self.hidden,
-            sync_free=False,
-            num_worst_tokens=None,
-            expand=plan.expand,
-            expert_alignment=plan.expert_alignment,
-            is_token_in_rank=layout.is_token_in_rank,
-            num_tokens_per_rank=layout.num_tokens_per_rank,
-            num_tokens_per_expert=layout.num_tokens_per_expert,
-            send_counts=tuple(send_counts),
-            send_token_idx=got.send_token_idx,
-            send_slot=None,
-            recv_counts=tuple(recv_counts),
-            num_recv_tokens=n,
-            num_recv_rows=n,
-            recv_src_rank=got.recv_src_rank,
-            recv_src_idx=got.recv_src_idx,
-            recv_topk_idx=got.recv_topk_idx,
-            recv_slot_pos=None,
-            num_recv_tokens_per_expert=torch.tensor(per_local, dtype=torch.int32, device=self.device),
-            num_recv_tokens_per_expert_list=per_local,
-            **fields,
-        )
-        return DispatchOutput(recv_x, got.recv_topk_idx, got.recv_topk_weights, handle, Event(self.device))
-
-    def _replay_synced(self, plan: DispatchPlan) -> DispatchOutput:
-        h = plan.handle
-        assert h is not None and h.send_counts is not None and h.recv_counts is not None
-        got = reference.dispatch_synced(
-            self._topo,
-            plan.x,
-            layout=None,
-            send_counts=list(h.send_counts),
-            recv_counts=list(h.recv_counts),
-            send_token_idx=h.send_token_idx,
-        )
-        recv_x = got.recv_x
-        if h.expand:
-            assert h.expanded_src_row is not None
-            recv_x = gather_expanded(recv_x, h.expanded_src_row)
-        return DispatchOutput(recv_x, None, None, h, Event(self.device))
+        got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
+        return DispatchOutput(*got, Event(self.device))
 
     def _dispatch_sync_free(self, plan: DispatchPlan) -> DispatchOutput:
-        big_l, nwt = self.num_local_experts, plan.num_worst_tokens
         h = plan.handle
         if h is not None:
-            got = reference.dispatch_sync_free(
-                self._topo,
-                plan.x,
-                num_worst_tokens=nwt,
-                mask=h.is_token_in_rank,
-                send_slot=h.send_slot,
-                recv_slot_pos=h.recv_slot_pos,
-            )
-            recv_x = got.recv_x
-            if h.expand:
-                assert h.expanded_src_row is not None
-                recv_x = gather_expanded(recv_x, h.expanded_src_row)
+            recv_x = _exchange.replay_sync_free(self._topo, h, plan.x, plan.num_worst_tokens)
             return DispatchOutput(recv_x, None, None, h, Event(self.device))
         assert plan.topk_idx is not None
-        layout = self._layout(plan.topk_idx)
-        got = reference.dispatch_sync_free(
-            self._topo,
-            plan.x,
-            num_worst_tokens=nwt,
-            layout=layout,
-            topk_idx=plan.topk_idx,
-            topk_weights=plan.topk_weights,
-        )
-        assert (
-            got.recv_topk_idx is not None and got.per_expert is not None and got.num_recv_tokens is not None
-        )
-        fields: dict[str, Any] = {}
-        recv_x = got.recv_x
-        if plan.expand:
-            m = expanded_capacity(nwt, plan.num_topk, big_l, plan.expert_alignment)
-            recv_x, fields = _expand(got.recv_x, got.recv_topk_idx, big_l, plan.expert_alignment, m)
-        handle = DispatchHandle(
-            buffer_uid=self.uid,
-            seq=self._next_seq(),
-            num_tokens=plan.num_tokens,
-            num_topk=plan.num_topk,
-            hidden=self.hidden,
-            sync_free=True,
-            num_worst_tokens=nwt,
-            expand=plan.expand,
-            expert_alignment=plan.expert_alignment,
-            is_token_in_rank=layout.is_token_in_rank,
-            num_tokens_per_rank=layout.num_tokens_per_rank,
-            num_tokens_per_expert=layout.num_tokens_per_expert,
-            send_counts=None,
-            send_token_idx=None,
-            send_slot=got.send_slot,
-            recv_counts=None,
-            num_recv_tokens=got.num_recv_tokens,
-            num_recv_rows=nwt,
-            recv_src_rank=got.recv_src_rank,
-            recv_src_idx=got.recv_src_idx,
-            recv_topk_idx=got.recv_topk_idx,
-            recv_slot_pos=got.recv_slot_pos,
-            num_recv_tokens_per_expert=got.per_expert.to(torch.int32),
-            num_recv_tokens_per_expert_list=None,
-            **fields,
-        )
-        return DispatchOutput(recv_x, got.recv_topk_idx, got.recv_topk_weights, handle, Event(self.device))
+        got = _exchange.dispatch_sync_free(self, plan, self._layout(plan.topk_idx))
+        return DispatchOutput(*got, Event(self.device))
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -613,38 +375,4 @@ class Buffer:
                 1 + self.num_ranks + self.num_experts,
             )
         assert plan is not None
-        h = plan.handle
-        partial = plan.x
-        if h.expand:
-            assert h.recv_expanded_index is not None
-            partial = reduce_expanded(plan.x, h.recv_expanded_index, plan.topk_weights)
-        combined = reference.combine(
-            self._topo,
-            partial,
-            num_tokens=h.num_tokens,
-            is_token_in_rank=h.is_token_in_rank,
-            sync_free=h.sync_free,
-            send_counts=h.send_counts,
-            recv_counts=h.recv_counts,
-            send_token_idx=h.send_token_idx,
-            send_slot=h.send_slot,
-            recv_slot_pos=h.recv_slot_pos,
-            num_worst_tokens=h.num_worst_tokens,
-            bias=plan.bias,
-        )
-        return CombineOutput(combined, Event(self.device))
-
-
-def _expand(
-    recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, num_local: int, alignment: int, rows: int
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The expert-major rows of a dispatch (``rows`` of them) and the handle fields that map them back."""
-    maps = build_expanded(recv_topk_idx, num_local, alignment, rows)
-    fields = dict(
-        expert_offsets=maps.offsets,
-        expanded_src_row=maps.src_row,
-        expanded_slot=maps.slot,
-        recv_expanded_index=maps.index,
-        num_expanded_rows=rows,
-    )
-    return gather_expanded(recv_x, maps.src_row), fields
+        return CombineOutput(_exchange.combine(self._topo, plan), Event(self.device))
