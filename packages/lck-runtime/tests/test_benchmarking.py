@@ -1,11 +1,18 @@
-"""Benchmark result files carry provenance and every record."""
+"""Benchmark result files carry provenance and every record; the timers measure what they document."""
 
 from __future__ import annotations
 
 import csv
 import json
+import statistics
+import time
+from collections.abc import Callable
 
-from lck_runtime.benchmarking import Record, summarize, write_results
+import pytest
+import torch
+
+from lck_runtime import benchmarking
+from lck_runtime.benchmarking import Record, host_ms, summarize, time_cuda, time_loop, write_results
 
 
 def test_write_results_json_and_csv(tmp_path) -> None:
@@ -25,3 +32,200 @@ def test_write_results_json_and_csv(tmp_path) -> None:
 def test_summarize_quantiles() -> None:
     s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s["median_ms"] == 3.0 and s["p20_ms"] == 2.0 and s["p80_ms"] == 4.0
+
+
+# ---------------------------------------------------------------- timers on a simulated GPU
+#
+# time_cuda, host_ms and time_loop are CUDA-only. On CPU they run against FakeCuda: a device that
+# executes queued `_sleep(cycles)` spins one after another in real time (2 GHz, so 5_000_000 cycles
+# take 2.5 ms as on an H200), events that complete when the queue reaches them, and a synchronize
+# that waits for the queue to drain. Host work is real `time.sleep`, so the tests check the timers'
+# contract (what is inside the timed region, what is hidden by the head start, when host_ms gives up)
+# with measured times in bands.
+
+CLOCK_HZ = 2e9
+EPS = 1e-6  # ms: float rounding of perf_counter differences
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.busy_until = 0.0  # perf_counter time at which the queued spins end
+        self.log: list[str] = []
+
+    def _sleep(self, cycles: int) -> None:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + cycles / CLOCK_HZ
+
+    def synchronize(self, device: object = None) -> None:
+        self.log.append("sync")
+        wait = self.busy_until - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+
+    def Event(self, enable_timing: bool = False) -> _FakeEvent:
+        return _FakeEvent(self)
+
+
+class _FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.at = cuda, None
+
+    def record(self) -> None:
+        self.at = max(time.perf_counter(), self.cuda.busy_until)
+
+    def query(self) -> bool:
+        return self.at is not None and time.perf_counter() >= self.at
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+class _FakeFlush:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+
+    def zero_(self) -> None:
+        self.cuda.log.append("flush")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> FakeCuda:
+    cuda = FakeCuda()
+    for name in ("_sleep", "synchronize", "Event"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    monkeypatch.setattr(benchmarking, "_l2_flush_buffer", lambda: _FakeFlush(cuda))
+    return cuda
+
+
+def _kernel(cuda: FakeCuda, ms: float, log: str = "fn") -> Callable[[], None]:
+    """A call that enqueues ``ms`` of GPU work and returns at once."""
+
+    def fn() -> None:
+        cuda.log.append(log)
+        torch.cuda._sleep(int(ms * 1e-3 * CLOCK_HZ))
+
+    return fn
+
+
+def _host(ms: float, then: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A call that spends ``ms`` on the host (Python, dispatch) before ``then``."""
+
+    def fn() -> None:
+        time.sleep(ms * 1e-3)
+        if then is not None:
+            then()
+
+    return fn
+
+
+def test_time_cuda_times_each_call_of_a_known_kernel(fake_cuda) -> None:
+    times = time_cuda(_kernel(fake_cuda, 1.0), warmup=2, iters=5, flush_l2=False)
+    assert len(times) == 5
+    assert fake_cuda.log.count("fn") == 7  # warm-up calls are not timed
+    for t in times:
+        assert 1.0 - EPS <= t < 1.5, times
+
+
+def test_time_cuda_leaves_setup_out_and_runs_barrier_in_lock_step(fake_cuda) -> None:
+    calls: list[str] = []
+
+    def setup() -> None:
+        calls.append("setup")
+        time.sleep(3e-3)  # 3 ms of host work: counted, it would triple the 1 ms kernel
+
+    times = time_cuda(
+        _kernel(fake_cuda, 1.0),
+        warmup=1,
+        iters=4,
+        setup=setup,
+        barrier=lambda: fake_cuda.log.append("barrier"),
+        flush_l2=False,
+    )
+    assert calls == ["setup"] * 5
+    assert statistics.median(times) < 2.0, times
+    timed = fake_cuda.log[fake_cuda.log.index("sync") + 1 :]  # after the warm-up's synchronize
+    assert timed[:3] == ["sync", "barrier", "fn"] and timed.count("barrier") == 4, timed
+
+
+def test_time_cuda_head_start_hides_host_dispatch(fake_cuda) -> None:
+    # 1 ms of host time before a 0.2 ms kernel. The flush's ~2.5 ms spin covers the host time, so only
+    # the kernel is timed; without it the events bracket the host's pace (>= 1 ms per call).
+    fn = _host(1.0, _kernel(fake_cuda, 0.2))
+    flushed = statistics.median(time_cuda(fn, warmup=1, iters=5))
+    assert fake_cuda.log.count("flush") == 5
+    assert 0.2 - EPS <= flushed < 0.6, flushed
+    fake_cuda.log.clear()
+    bare = statistics.median(time_cuda(fn, warmup=1, iters=5, flush_l2=False))
+    assert "flush" not in fake_cuda.log
+    assert bare >= 1.0 - EPS, bare
+
+
+def test_time_loop_counts_host_gaps(fake_cuda) -> None:
+    gpu_bound = time_loop(_kernel(fake_cuda, 1.0), iters=10, warmup=2)
+    assert 1.0 - EPS <= gpu_bound < 1.5, gpu_bound
+    host_bound = time_loop(_host(2.0, _kernel(fake_cuda, 0.1)), iters=10, warmup=1)
+    assert 2.0 <= host_bound < 4.0, host_bound
+
+
+def test_host_ms_measures_host_time(fake_cuda) -> None:
+    ms = host_ms(_host(1.0, _kernel(fake_cuda, 0.01)), iters=10, warmup=2)
+    assert ms is not None and 1.0 <= ms < 3.0, ms
+
+
+def test_host_ms_is_none_when_a_call_waits_for_the_gpu(fake_cuda) -> None:
+    assert host_ms(torch.cuda.synchronize, iters=5, warmup=1) is None
+    # Calls that outlast the ~0.1 s spin (20 x 10 ms) are not host time either.
+    assert host_ms(_host(10.0), iters=20, warmup=0) is None
+
+
+@pytest.mark.parametrize("timer", [time_cuda, host_ms, time_loop], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"iters": 0}, ValueError, "iters must be >= 1, got 0"),
+        ({"iters": 2.0}, TypeError, "iters must be an int, got float"),
+        ({"iters": True}, TypeError, "iters must be an int, got bool"),
+        ({"warmup": -1}, ValueError, "warmup must be >= 0, got -1"),
+        ({"fn": None}, TypeError, "fn must be callable, got NoneType"),
+    ],
+)
+def test_timers_validate_before_touching_cuda(fake_cuda, timer, kwargs, error, words) -> None:
+    args = {"fn": _kernel(fake_cuda, 0.1), **kwargs}
+    fn = args.pop("fn")
+    with pytest.raises(error, match=f"^{timer.__name__}: {words}"):
+        timer(fn, **args)
+    assert fake_cuda.log == []  # refused before any call, synchronize or flush
+
+
+# ---------------------------------------------------------------- the same on a real GPU
+
+
+def _spin_ms(cycles: int) -> float:
+    """Median GPU time of one ``torch.cuda._sleep(cycles)``, bracketed by events directly."""
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        runs.append(start.elapsed_time(end))
+    return statistics.median(runs)
+
+
+@pytest.mark.gpu
+def test_timers_measure_a_known_kernel_on_gpu() -> None:
+    cycles = 20_000_000  # ~10 ms at 2 GHz: far above launch overheads and timer resolution
+    want = _spin_ms(cycles)
+    assert want > 2.0, f"_sleep({cycles}) took {want:.3f} ms; expected several ms at any GPU clock"
+    spin = lambda: torch.cuda._sleep(cycles)
+    for name, got in (
+        ("time_cuda", statistics.median(time_cuda(spin, warmup=1, iters=5))),
+        ("time_cuda(flush_l2=False)", statistics.median(time_cuda(spin, warmup=1, iters=5, flush_l2=False))),
+        ("time_loop", time_loop(spin, iters=5, warmup=1)),
+    ):
+        assert 0.8 * want <= got <= 1.25 * want, f"{name}: {got:.3f} ms vs {want:.3f} ms measured directly"
+    launch = host_ms(lambda: torch.cuda._sleep(1000), iters=10)
+    assert launch is not None and 0.0 < launch < 1.0, launch
+    assert host_ms(torch.cuda.synchronize, iters=5) is None

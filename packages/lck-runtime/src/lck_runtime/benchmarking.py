@@ -2,7 +2,8 @@
 
 Timing uses CUDA events around each call (after a warm-up), with fixed iteration counts so that
 collective benchmarks stay in lock step across ranks (``triton.testing.do_bench`` picks a repeat
-count per process, which hangs collectives). Results go to ``<out>/<stem>.json`` and ``.csv`` with
+count per process, which hangs collectives). The timers refuse a non-callable ``fn``, ``iters < 1``
+and ``warmup < 0`` before any CUDA work. Results go to ``<out>/<stem>.json`` and ``.csv`` with
 provenance (GPU, driver, torch, triton, commit, date), and a PNG when matplotlib is installed.
 """
 
@@ -110,6 +111,17 @@ def gpu_slug() -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-").split("-")[0] or "gpu"
 
 
+def _check_timing_args(where: str, fn: Any, iters: Any, warmup: Any) -> None:
+    """Raise before any CUDA work: a bad count would otherwise surface as an empty list or a division by 0."""
+    if not callable(fn):
+        raise TypeError(f"{where}: fn must be callable, got {type(fn).__name__}")
+    for name, value, low in (("iters", iters, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+        if value < low:
+            raise ValueError(f"{where}: {name} must be >= {low}, got {value}")
+
+
 def time_cuda(
     fn: Callable[[], Any],
     *,
@@ -133,6 +145,7 @@ def time_cuda(
     0.9 ms of host time on the H200 machine, measured with :func:`host_ms`.) For the time back to back,
     dispatch gaps included, use :func:`time_loop`.
     """
+    _check_timing_args("time_cuda", fn, iters, warmup)
     import torch
 
     flush = _l2_flush_buffer() if flush_l2 else None
@@ -170,6 +183,7 @@ def host_ms(fn: Callable[[], Any], *, iters: int = 20, warmup: int = 3) -> float
     is ``None`` rather than a number that is really GPU time (also when the calls outlast the ~0.1 s spin).
     When this exceeds the GPU time, back-to-back calls run at the host's pace, whatever the kernels' speed.
     """
+    _check_timing_args("host_ms", fn, iters, warmup)
     import torch
 
     for _ in range(warmup):
@@ -193,6 +207,7 @@ def time_loop(fn: Callable[[], Any], *, iters: int = 50, warmup: int = 5) -> flo
     """Milliseconds per call of ``fn`` called back to back, as in a training loop: one pair of CUDA events
     around ``iters`` calls, no L2 flush and no head start, so host dispatch gaps count when the host is
     slower than the kernels (compare with :func:`time_cuda`, which measures the GPU alone)."""
+    _check_timing_args("time_loop", fn, iters, warmup)
     import torch
 
     for _ in range(warmup):

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from lck_runtime.jit.args import F32, I32, I64, U64, Ptr
 from lck_runtime.jit.compiler import CAPABILITY_ARCH, SUPPORTED_ARCHS, detect_arch
-from lck_runtime.jit.engine import Jit, Kernel
+from lck_runtime.jit.engine import Jit
 from lck_runtime.jit.errors import CudaError, JitConfigError, JitError
 from lck_runtime.jit.flags import JitSettings
 from lck_runtime.jit.host import HostModule
+from lck_runtime.jit.kernel import Kernel
 
 __all__ = [
     "CAPABILITY_ARCH",
