@@ -2,7 +2,7 @@
 
 The loss options and their semantics are those of :func:`lck_kernels.cross_entropy.cross_entropy`
 (``class_weight`` is its ``weight``); the chunked schedules, the chunk budget and the precision choices are
-described in ``lck_kernels._linear_cross_entropy``. In short: for ``reduction="sum"``/``"mean"`` every
+described in ``lck_kernels._linear_cross_entropy_chunks``. In short: for ``reduction="sum"``/``"mean"`` every
 gradient is finished in the forward (three GEMMs per token) and the backward is a device-side rescale that
 costs one launch when the incoming gradient is 1; for ``reduction="none"`` the forward keeps each token's
 log-sum-exp and the backward recomputes the logits (four GEMMs per token). Inputs that do not require grad

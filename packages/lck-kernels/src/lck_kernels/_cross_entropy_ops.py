@@ -1,0 +1,282 @@
+"""The ``torch.library`` ops behind ``cross_entropy``, and the input check they share with it.
+
+Ops (``triton_op`` on GPUs, so ``torch.compile(fullgraph=True)`` traces into them): ``lck::cross_entropy_fwd``
+(loss, z-loss, lse and optionally the gradient), ``lck::cross_entropy_fwd_`` (gradient into the logits),
+``lck::cross_entropy_rescale_`` (the sum/mean backward), ``lck::cross_entropy_bwd`` and
+``lck::cross_entropy_bwd_`` (the ``none`` backward, into a new buffer or the logits).
+
+Every op validates its inputs before it launches anything (through ``_cross_entropy_launch``);
+``cross_entropy`` runs the same ``check_cross_entropy_inputs`` before autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lck_kernels._common import check_same_device, check_tensor, define_op
+from lck_kernels._cross_entropy_checks import check_class_weight, check_loss_options, check_target
+from lck_kernels._cross_entropy_launch import (
+    CEOptions,
+    finalize_loss,
+    launch_bwd,
+    launch_fwd,
+    launch_reduction,
+    launch_rescale_rows,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_cross_entropy_inputs(
+    op: str,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+) -> None:
+    check_tensor(op, "logits", logits, ndim=2, last_dim_contiguous=True)
+    if logits.shape[1] == 0:
+        raise ValueError(f"{op}: logits has shape {tuple(logits.shape)}; expected at least one class")
+    check_target(op, target, logits.shape[0], expected="logits")
+    check_same_device(op, logits=logits, target=target)
+    check_class_weight(op, "weight", weight, logits.shape[1], logits)
+    check_loss_options(
+        op,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.library ops
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _forward(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, grad
+):
+    n, v = logits.shape
+    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
+    red = launch_reduction(target, weight, v, ignore_index, mean=reduction == "mean", wrap=True)
+    ce = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    zl = torch.empty(n, dtype=torch.float32, device=logits.device) if lse_square_scale > 0 else None
+    applied = torch.empty(n if grad is not None else 0, dtype=torch.float32, device=logits.device)
+    launch_fwd(
+        logits, target, weight, red, opts, loss=ce, lse=lse, zloss=zl, grad=grad,
+        applied=applied if grad is not None else None, wrap=True,
+    )  # fmt: skip
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, lse, applied
+
+
+def _fwd_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
+    check_cross_entropy_inputs(
+        "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
+        softcap or None, reduction,
+    )  # fmt: skip
+    grad = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    loss, z, lse, applied = _forward(
+        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+        grad if compute_grad else None,
+    )  # fmt: skip
+    return loss, z, lse, grad, applied
+
+
+def _loss_fakes(logits: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse) shapes: float32, 0-D or one per row; lse one per row."""
+    shape = (logits.shape[0],) if reduction == "none" else ()
+    f32 = torch.float32
+    return (
+        logits.new_empty(shape, dtype=f32),
+        logits.new_empty(shape, dtype=f32),
+        logits.new_empty((logits.shape[0],), dtype=f32),
+    )
+
+
+def _fwd_fake(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, compute_grad
+):
+    n = logits.shape[0]
+    return (
+        *_loss_fakes(logits, reduction),
+        logits.new_empty(logits.shape if compute_grad else (0,)),
+        logits.new_empty((n if compute_grad else 0,), dtype=torch.float32),
+    )
+
+
+cross_entropy_fwd = define_op("lck::cross_entropy_fwd", _fwd_impl, fake=_fwd_fake)
+
+
+def _check_overwritable(op: str, logits: torch.Tensor) -> None:
+    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
+        raise ValueError(
+            f"{op}: logits rows overlap (row stride {logits.stride(0)}); cannot write the gradient"
+        )
+
+
+def _fwd_inplace_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, applied); ``logits`` is overwritten with the gradient."""
+    op = "lck::cross_entropy_fwd_"
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap or None, reduction)
+    check_cross_entropy_inputs(op, logits, target, weight, *options)
+    _check_overwritable(op, logits)
+    return _forward(
+        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, logits
+    )
+
+
+def _fwd_inplace_fake(
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction
+):
+    return (*_loss_fakes(logits, reduction), logits.new_empty((logits.shape[0],), dtype=torch.float32))
+
+
+cross_entropy_fwd_ = define_op(
+    "lck::cross_entropy_fwd_", _fwd_inplace_impl, mutates_args=("logits",), fake=_fwd_inplace_fake
+)
+
+
+def _rescale_impl(grad: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``grad`` rows ← rows × ``grad_output / applied`` (0-D or one value per row); ``applied`` ← it."""
+    op = "lck::cross_entropy_rescale_"
+    check_tensor(op, "grad", grad, ndim=2, last_dim_contiguous=True)
+    check_tensor(op, "applied", applied, dtypes=(torch.float32,), ndim=1, contiguous=True)
+    check_tensor(op, "grad_output", grad_output, ndim=(0, 1))
+    if applied.shape[0] != grad.shape[0] or (
+        grad_output.dim() == 1 and grad_output.shape[0] != grad.shape[0]
+    ):
+        raise ValueError(
+            f"{op}: grad {tuple(grad.shape)}, applied {tuple(applied.shape)} and grad_output "
+            f"{tuple(grad_output.shape)} disagree on the number of rows"
+        )
+    launch_rescale_rows(grad, applied, grad_output, wrap=True)
+
+
+def _rescale_fake(grad, applied, grad_output):
+    return None
+
+
+cross_entropy_rescale_ = define_op(
+    "lck::cross_entropy_rescale_", _rescale_impl, mutates_args=("grad", "applied"), fake=_rescale_fake
+)
+
+
+def _backward(
+    op,
+    logits,
+    grad,
+    target,
+    weight,
+    lse,
+    grad_output,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+):
+    check_cross_entropy_inputs(
+        op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap or None, "none"
+    )
+    n, v = logits.shape
+    check_tensor(op, "lse", lse, dtypes=(torch.float32,), ndim=1)
+    check_tensor(op, "grad_output", grad_output, ndim=1)
+    if lse.shape[0] != n or grad_output.shape[0] != n:
+        raise ValueError(
+            f"{op}: lse {tuple(lse.shape)} and grad_output {tuple(grad_output.shape)} must have one value per "
+            f"row of logits {tuple(logits.shape)}"
+        )
+    red = launch_reduction(target, weight, v, ignore_index, mean=False, wrap=True)
+    launch_bwd(
+        logits, grad, target, weight, red, CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap),
+        lse=lse, entropy=None, g_loss=grad_output, g_lse=None, g_entropy=None, wrap=True,
+    )  # fmt: skip
+
+
+def _bwd_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_output: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``∂(Σ grad_output·loss)/∂logits`` for ``reduction="none"`` from the saved per-row lse."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _backward(
+        "lck::cross_entropy_bwd", logits, grad, target, weight, lse, grad_output, ignore_index, label_smoothing,
+        lse_square_scale, softcap,
+    )  # fmt: skip
+    return grad
+
+
+def _bwd_fake(
+    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
+):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+cross_entropy_bwd = define_op("lck::cross_entropy_bwd", _bwd_impl, fake=_bwd_fake)
+
+
+def _bwd_inplace_impl(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_output: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+) -> None:
+    """As ``lck::cross_entropy_bwd``, writing the gradient over ``logits``."""
+    op = "lck::cross_entropy_bwd_"
+    _check_overwritable(op, logits)
+    _backward(
+        op, logits, logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale,
+        softcap,
+    )  # fmt: skip
+
+
+def _bwd_inplace_fake(
+    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
+):
+    return None
+
+
+cross_entropy_bwd_ = define_op(
+    "lck::cross_entropy_bwd_", _bwd_inplace_impl, mutates_args=("logits",), fake=_bwd_inplace_fake
+)

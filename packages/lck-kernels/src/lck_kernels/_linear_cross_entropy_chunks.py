@@ -1,0 +1,320 @@
+"""The chunked engine behind ``fused_linear_cross_entropy`` and ``fused_linear_scaled_cross_entropy``.
+
+Logits ``x·Wᵀ (+ b)`` exist one chunk of tokens at a time, in one reused ``[chunk, vocab]`` buffer in ``x``'s
+dtype (cuBLAS: bf16/fp16 in, fp32 accumulation, rounded once on output). The cross-entropy row kernels of
+``_cross_entropy_kernels`` read that buffer and overwrite it with ``∂L/∂logits``, which then feeds the two
+gradient GEMMs. Two schedules:
+
+- **gradients in the forward** (``forward_with_grads``; reductions ``sum``/``mean``): per chunk, logits →
+  loss and gradient → ``grad_x[chunk] = dlogits·W``, ``grad_W += dlogitsᵀ·x[chunk]``, ``grad_b += Σ_rows
+  dlogits``. Three GEMMs per token, no second pass: the backward only multiplies the finished gradients
+  by the (scalar) incoming gradient, on the device, exiting at once when it is 1.
+- **recompute** (``forward_stats`` + ``backward_recompute``; ``reduction="none"`` and the scaled op): the
+  incoming gradient is one value per token and is known only in the backward, and ``grad_W`` mixes tokens,
+  so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
+  four GEMMs per token.
+
+Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 512 MiB, gives the chunk length;
+2048 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
+the ``[tokens]`` rows and the gradients themselves. ``grad_W`` accumulates in ``W``'s dtype through
+``addmm`` (fp32 inside each GEMM, one rounding per chunk): an fp32 accumulator would add ``4·V·H`` bytes
+(2 GiB at 128256 × 4096), four times the logits budget, for little: measured against float64 on bf16
+data (8192 tokens), the relative error of ``grad_W`` is 2.0e-3 / 2.6e-3 / 3.5e-3 / 4.8e-3 for 2 / 4 / 8 /
+16 chunks, against 1.7e-3 for an fp32 accumulator (the final bf16 rounding alone), all well inside the
+bf16 tolerance (1e-2) the tests hold it to. Large chunks also keep cuBLAS efficient: skinny GEMMs run far
+below peak.
+
+Both schedules run their chunks through ``run_chunks``, which can also (tuning knob ``overlap``) put each
+chunk's row pass on a side stream between the GEMMs of the neighbouring chunks.
+
+The recompute schedule's ops and its ``torch.autograd.Function`` are in ``_linear_cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lck_kernels._common import cdiv, tuned
+from lck_kernels._cross_entropy_launch import (
+    CEOptions,
+    finalize_loss,
+    launch_bwd,
+    launch_fwd,
+    launch_reduction,
+)
+
+Tensor = torch.Tensor
+
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+CHUNK_ALIGN = 128  # chunk lengths are multiples of this where possible: whole GEMM tiles
+
+
+def plan_chunk_tokens(
+    n_tokens: int,
+    vocab: int,
+    element_size: int,
+    *,
+    chunk_bytes: int | None = None,
+    max_chunk_tokens: int | None = None,
+) -> int:
+    """Tokens per chunk: the most whose ``[chunk, vocab]`` logits fit ``chunk_bytes``, balanced over chunks.
+
+    The cap is rounded down to a multiple of 128 (when at least 128), optionally lowered to
+    ``max_chunk_tokens``; the tokens are then split into equal chunks (rounded up to 128 where that stays
+    under the cap), so 5000 tokens under a 2048 cap run as 1792 + 1792 + 1416, not 2048 + 2048 + 904.
+    """
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    cap = max(1, budget // max(1, vocab * element_size))
+    if cap >= CHUNK_ALIGN:
+        cap -= cap % CHUNK_ALIGN
+    if max_chunk_tokens is not None:
+        cap = max(1, min(cap, max_chunk_tokens))
+    if n_tokens <= cap:
+        return max(1, n_tokens)
+    even = cdiv(n_tokens, cdiv(n_tokens, cap))
+    aligned = cdiv(even, CHUNK_ALIGN) * CHUNK_ALIGN
+    return aligned if aligned <= cap else even
+
+
+def _logits(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(x_c, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x_c, weight.t(), out=out)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def run_chunks(x, weight, bias, chunk: int, row_kernel, gemms=None) -> None:
+    """For each chunk ``[s, e)`` of ``chunk`` tokens: ``logits = x[s:e]·Wᵀ (+ b)`` into a reused buffer, then
+    ``row_kernel(s, e, logits)`` (the Triton row pass, which may overwrite ``logits`` with its gradient),
+    then ``gemms(s, e, logits)`` (the gradient GEMMs), if given.
+
+    Tuning knob ``tuning("fused_linear_cross_entropy", overlap=1)`` (CUDA, with ``gemms``): two buffers of
+    half the chunk (the same memory), and the row pass of each chunk runs on a side stream, so that it can
+    overlap the GEMMs of the neighbouring chunks (the row pass only moves bytes; the GEMMs only compute).
+    Whether the GPU actually runs them side by side depends on cuBLAS leaving SMs free; measure it.
+    """
+    n, v = x.shape[0], weight.shape[0]
+    overlap = (
+        tuned("fused_linear_cross_entropy", {"overlap": 0})["overlap"] and x.is_cuda and gemms is not None
+    )
+    if not overlap or n <= 1:
+        buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=x.device)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = buf[: e - s]
+            _logits(x[s:e], weight, bias, logits)
+            row_kernel(s, e, logits)
+            if gemms is not None:
+                gemms(s, e, logits)
+        return
+    half = cdiv(chunk, 2)
+    if half > CHUNK_ALIGN:
+        half = cdiv(half, CHUNK_ALIGN) * CHUNK_ALIGN
+    bounds = [(s, min(n, s + half)) for s in range(0, n, half)]
+    bufs = [torch.empty((min(half, n), v), dtype=x.dtype, device=x.device) for _ in range(2)]
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+
+    def logits_of(i: int) -> torch.cuda.Event:
+        s, e = bounds[i]
+        _logits(x[s:e], weight, bias, bufs[i % 2][: e - s])
+        done = torch.cuda.Event()
+        done.record(main)
+        return done
+
+    # Main stream: GEMM(0) | GEMM(1), wait row(0), grads(0) | GEMM(2), wait row(1), grads(1) | ...; side
+    # stream: row(i) after GEMM(i). Buffer i % 2 is rewritten by GEMM(i + 2) only after grads(i), which
+    # followed row(i) on the main stream, so no pass reads a buffer being rewritten. Everything the side
+    # stream touches was allocated before on the main stream, which waits for the side stream's last pass:
+    # later reuse of that memory is ordered after it.
+    ready = logits_of(0)
+    for i, (s, e) in enumerate(bounds):
+        logits = bufs[i % 2][: e - s]
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            row_kernel(s, e, logits)
+        row_done = torch.cuda.Event()
+        row_done.record(side)
+        if i + 1 < len(bounds):
+            ready = logits_of(i + 1)
+        main.wait_event(row_done)
+        gemms(s, e, logits)
+
+
+def _rows(n: int, device: torch.device, on: bool = True) -> torch.Tensor | None:
+    return torch.empty(n, dtype=torch.float32, device=device) if on else None
+
+
+def _accumulate_grads(
+    dlogits: torch.Tensor,
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    first: bool,
+    grad_x_c: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b32: torch.Tensor | None,
+) -> None:
+    if grad_x_c is not None:
+        torch.mm(dlogits, weight, out=grad_x_c)
+    if grad_w is not None:
+        if first:  # no zero fill of a V×H buffer: the first chunk writes it
+            torch.mm(dlogits.t(), x_c, out=grad_w)
+        else:
+            grad_w.addmm_(dlogits.t(), x_c)
+    if grad_b32 is not None:
+        grad_b32 += dlogits.sum(0, dtype=torch.float32)
+
+
+def _grad_buffers(x, weight, bias, need_x: bool, need_w: bool, need_b: bool):
+    dev = x.device
+    grad_x = torch.empty(x.shape if need_x else (0,), dtype=x.dtype, device=dev)
+    grad_w = torch.empty(weight.shape if need_w else (0,), dtype=weight.dtype, device=dev)
+    grad_b32 = torch.zeros(weight.shape[0] if need_b else 0, dtype=torch.float32, device=dev)
+    return grad_x, grad_w, grad_b32
+
+
+def _finish_bias(grad_b32: torch.Tensor, bias: torch.Tensor | None, need_b: bool) -> torch.Tensor:
+    dtype = bias.dtype if bias is not None else torch.float32
+    return grad_b32.to(dtype) if need_b else grad_b32.new_empty(0, dtype=dtype)
+
+
+def forward_with_grads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """(loss, z_loss, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``; float32 losses; unneeded
+    gradients are empty. ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
+    n, v, dev = x.shape[0], weight.shape[0], x.device
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
+    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
+    applied = torch.empty(n, dtype=torch.float32, device=dev)  # unused by the fused schedule
+
+    def row_kernel(s, e, logits):
+        launch_fwd(
+            logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
+            zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[s:e], wrap=False,
+        )  # fmt: skip
+
+    def gemms(s, e, logits):
+        _accumulate_grads(
+            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            grad_b32 if need_b else None,
+        )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
+    if need_w and n == 0:
+        grad_w.zero_()
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+
+
+def forward_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    entropy: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, entropy) in float32 without gradients; ``entropy`` is empty unless asked for."""
+    n, v, dev = x.shape[0], weight.shape[0], x.device
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
+    ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
+
+    def row_kernel(s, e, logits):
+        launch_fwd(
+            logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
+            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, wrap=False,
+        )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel)
+    loss, z = finalize_loss(ce, zl, red, reduction)
+    return loss, z, lse, ent
+
+
+def _row_slice(g: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+    return g[s:e] if g is not None and g.dim() == 1 else g
+
+
+def backward_recompute(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    reduction: str,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_loss: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_w, grad_b) of ``Σ g_loss·loss + g_lse·lse + g_entropy·H`` by recomputing the logits.
+
+    ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``; ``g_lse``/``g_entropy`` are ``[N]``
+    or ``None``. Unneeded gradients come back empty.
+    """
+    n, v = x.shape[0], weight.shape[0]
+    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
+
+    def row_kernel(s, e, logits):
+        launch_bwd(
+            logits, logits, target[s:e], class_weight, red, opts, lse=lse[s:e],
+            entropy=entropy[s:e] if entropy is not None else None, g_loss=_row_slice(g_loss, s, e),
+            g_lse=_row_slice(g_lse, s, e), g_entropy=_row_slice(g_entropy, s, e), wrap=False,
+        )  # fmt: skip
+
+    def gemms(s, e, logits):
+        _accumulate_grads(
+            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            grad_b32 if need_b else None,
+        )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
+    if need_w and n == 0:
+        grad_w.zero_()
+    return grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+
+
+def empty_grads(x, weight, bias, need_x, need_w, need_b):
+    return (
+        x.new_empty(x.shape if need_x else (0,)),
+        weight.new_empty(weight.shape if need_w else (0,)),
+        x.new_empty(
+            (weight.shape[0],) if need_b else (0,), dtype=bias.dtype if bias is not None else torch.float32
+        ),
+    )
+
+
+def needs_grads(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[bool, bool, bool]:
+    on = torch.is_grad_enabled()
+    return on and x.requires_grad, on and weight.requires_grad, on and bias is not None and bias.requires_grad
