@@ -1,0 +1,91 @@
+"""Input checks and the call agreement of ``vocab_parallel_fused_linear_scaled_cross_entropy``.
+
+``_check_vp_flsce_inputs`` validates one rank's inputs (also run by the op's fake, so ``torch.compile``
+sees the same errors); ``_agree_and_check`` adds the collective agreement over the group (see
+``_vocab_parallel_group.agree``) and the capacity check, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lck_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name, rows_view
+from lck_kernels._vocab_parallel_group import Field, TPGroup, agree, check_target
+
+OP = "vocab_parallel_fused_linear_scaled_cross_entropy"
+
+
+def _check_vp_flsce_inputs(
+    x: Any, weight: Any, target: Any, inverse_temperature: float, chunk_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor(OP, "x", x, dtypes=FLOAT_DTYPES)
+    check_tensor(OP, "weight_shard", weight, dtypes=FLOAT_DTYPES, ndim=2)
+    if x.dim() < 1:
+        raise ValueError(f"{OP}: x must be [..., hidden], got a scalar")
+    if weight.dtype != x.dtype:
+        raise TypeError(
+            f"{OP}: weight_shard has dtype {dtype_name(weight.dtype)} but x has {dtype_name(x.dtype)}; "
+            f"they must match"
+        )
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{OP}: weight_shard has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}; "
+            f"expected [local_vocab, {x.shape[-1]}]"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError(
+            f"{OP}: weight_shard must hold at least one vocabulary row, got {tuple(weight.shape)}"
+        )
+    x2 = rows_view(OP, "x", x)
+    t = check_target(OP, target, tuple(x.shape[:-1]), "x")
+    check_same_device(OP, x=x, weight_shard=weight, target=target)
+    tau = float(inverse_temperature)
+    if not math.isfinite(tau) or tau <= 0.0:
+        raise ValueError(f"{OP}: inverse_temperature must be a finite number > 0, got {inverse_temperature}")
+    if int(chunk_bytes) < 1:
+        raise ValueError(f"{OP}: chunk_bytes must be >= 1, got {chunk_bytes}")
+    return x2, t
+
+
+def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction):
+    """Local validation, the collective agreement and the capacity check; returns (x2, t, local_vocab)."""
+    error: BaseException | None = None
+    try:
+        x2, t = _check_vp_flsce_inputs(x, weight, target, tau, chunk_bytes)
+        if tp.ctx is not None and x.device != tp.ctx.device:
+            raise ValueError(f"{OP}: x is on {x.device} but lck_runtime.configure prepared {tp.ctx.device}")
+    except (TypeError, ValueError) as exc:
+        error, x2, t = exc, None, None
+    tokens, hidden = (x2.shape[0], x2.shape[1]) if x2 is not None else (0, 0)
+    local_vocab = weight.shape[0] if error is None else 0
+    fields = [
+        Field("the operation (every rank must call the same op)", 2),
+        Field("the number of tokens (x's leading dimensions)", tokens),
+        Field("the hidden size x.shape[-1]", hidden),
+        Field(
+            "the local vocabulary size weight_shard.shape[0] (every rank must hold an equal shard)",
+            local_vocab,
+        ),
+        Field("the dtype of x and weight_shard", FLOAT_DTYPES.index(x.dtype) if error is None else -1),
+        Field("inverse_temperature", float(tau)),
+        Field("ignore_index", int(ignore_index)),
+        Field("which of x and weight_shard require gradients", int(grad_flags)),
+        Field("reduction", int(reduction)),
+        Field("whether the group has a runtime FLSCE context (lck_runtime.configure)", tp.ctx is not None),
+    ]
+    agree(
+        OP,
+        tp,
+        fields,
+        error=error,
+        target=t,
+        ignore_index=ignore_index,
+        vocab_size=tp.size * local_vocab,
+        device=tp.comm_device(x),
+    )
+    assert x2 is not None and t is not None
+    tp.check_capacity(OP, tokens, hidden=hidden, local_vocab=local_vocab)
+    return x2, t, local_vocab
