@@ -4,10 +4,12 @@
 
 At 8192 × 128256 bf16 it sweeps, through ``lck_kernels._common.tuning``, most informative first:
 
-1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): one program reads a
-   whole row twice, the second pass last tile first or first tile first (``reverse``), by tile, warps and
-   programs per SM, and on a fraction of the SMs (``sm_pct``: fewer rows in flight); rows split over teams of 2 or 4 programs (``split``: ``_ce_fwd_split_kernel``); then
-   eviction hints off and no look-ahead for the two best;
+1. ``cross_entropy_fwd_grad`` (loss and gradient in one kernel: the training path): the CUDA cluster kernel
+   by blocks and threads; one program reads a whole row twice, the second pass last tile first or first
+   tile first (``reverse``), by tile, warps and programs per SM, and on a fraction of the SMs (``sm_pct``:
+   fewer rows in flight); rows split over teams of 2 or 4 programs (``split``: ``_ce_fwd_split_kernel``);
+   then eviction hints off and no look-ahead for the two best. With ``--grad-only`` instead: the default
+   against maxima per tile (``warp_max=0``) and variants of it (``--configs``);
 2. the whole ``cross_entropy`` forward+backward with the best configuration (target ≤ 1.30 ms);
 3. fused linear cross entropy at 8192 × 4096 → 128256: the time of each piece of one chunk (logits GEMM,
    row pass, the two gradient GEMMs, the weight-gradient GEMM accumulating or not), then forward+backward
@@ -139,14 +141,14 @@ def _sweep_fwd_grad(
         return None
 
     base = {"prefetch": 1, "block_bytes": 32768, "warps": 32, "evict": 1, "split": 1, "cuda": 0}
-    if quick:  # the Triton default against running maxima per warp-wide strip (warp_max), by tile and warps
-        default = {**base, "reverse": 0, "programs_per_sm": 0, "warp_max": 0}
-        sweep.run(kernel, default, grad_fn, 2 * nbytes, copy_rate, check=check)
-        strips = {**default, "warp_max": 1}
+    if quick:  # maxima per tile (the default before 2026-11-30) against per warp-wide strip and its variants
+        tiles = {**base, "reverse": 0, "programs_per_sm": 0, "warp_max": 0, "grad_ahead": 0}
+        sweep.run(kernel, tiles, grad_fn, 2 * nbytes, copy_rate, check=check)
+        strips = {**tiles, "warp_max": 1, "grad_ahead": 1}
         for p in configs or (
-            {}, {"programs_per_sm": 1}, {"prefetch": 0}, {"block_bytes": 16384}, {"block_bytes": 65536},
-            {"block_bytes": 16384, "warps": 16}, {"block_bytes": 16384, "warps": 16, "programs_per_sm": 2},
-            {"block_bytes": 8192, "warps": 8, "programs_per_sm": 4}, {"grad_ahead": 1},
+            {}, {"grad_ahead": 0}, {"programs_per_sm": 1}, {"prefetch": 0}, {"block_bytes": 16384},
+            {"block_bytes": 65536}, {"block_bytes": 16384, "warps": 16},
+            {"block_bytes": 16384, "warps": 16, "programs_per_sm": 2}, {"reverse": 1},
         ):  # fmt: skip
             sweep.run(kernel, {**strips, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
         return (_best(sweep, kernel) or [{}])[0]
@@ -357,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grad-only",
         action="store_true",
-        help="only steps 1, 2 and 4, for the Triton default against warp_max variants (~1 minute)",
+        help="only steps 1, 2 and 4: maxima per tile against the default and its variants (~1 minute)",
     )
     parser.add_argument(
         "--configs",
-        help="with --grad-only: a JSON list of overrides of the warp_max configuration to time instead of "
-        'the built-in list, e.g. \'[{"reverse": 1}, {"stages": 2}]\'',
+        help="with --grad-only: a JSON list of overrides of the default (warp_max) configuration to time "
+        'instead of the built-in list, e.g. \'[{"reverse": 1}, {"stages": 2}]\'',
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():

@@ -256,31 +256,30 @@ def test_reference_matches_torch_reduced_loss():
 @pytest.mark.parametrize(
     "params",
     [
-        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1},
-        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0},
-        {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0},
+        # maxima per tile (warp_max 0) and per warp-wide strip (the default; [R, W] tiles, W = 128 fp32)
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "warp_max": 0},
+        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "warp_max": 0},
+        {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0, "warp_max": 0},
         # the second pass last tile first; a persistent grid on half the SMs
-        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "reverse": 1},
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "reverse": 1, "warp_max": 0},
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "sm_pct": 50},
         # two tiles of look-ahead in the statistics pass, one in the gradient pass (forward and reversed)
-        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 2, "grad_ahead": 1},
-        {"block_bytes": 256, "programs_per_sm": 0, "prefetch": 2, "grad_ahead": 1, "reverse": 1},
-        # running maxima per warp-wide strip ([R, W] tiles: 2 strips of 128 fp32 columns)
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 2, "grad_ahead": 1, "warp_max": 0},
+        {
+            "block_bytes": 256,
+            "programs_per_sm": 0,
+            "prefetch": 2,
+            "grad_ahead": 1,
+            "reverse": 1,
+            "warp_max": 0,
+        },
+        # two strips of 128 fp32 columns per tile
         {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1},
         {"block_bytes": 1024, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "warp_max": 1},
-        # the target column written after the tiles (fixup), with and without the gradient look-ahead
-        {
-            "block_bytes": 1024,
-            "programs_per_sm": 1,
-            "prefetch": 1,
-            "warp_max": 1,
-            "grad_ahead": 1,
-            "fixup": 1,
-        },
-        {"block_bytes": 256, "programs_per_sm": 0, "prefetch": 0, "fixup": 1, "reverse": 1},
+        {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1, "grad_ahead": 1},
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
-        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4},
-        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2},
+        {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4, "warp_max": 0},
+        {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2, "warp_max": 0},
         {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "split": 2, "warp_max": 1},
         {"block_bytes": 256, "programs_per_sm": 2, "stages": 2, "warps": 2, "prefetch": 0, "split": 2},
     ],
@@ -288,21 +287,18 @@ def test_reference_matches_torch_reduced_loss():
 )
 def test_tiled_rows_and_persistent_grids(params, poisoned):
     """Rows of many tiles and grid-stride loops over rows (forced small on CPU), for every row kernel."""
-    grad_only = ("split", "reverse", "sm_pct", "grad_ahead", "fixup")
+    grad_only = ("split", "reverse", "sm_pct", "grad_ahead")
     loss_only = {k: v for k, v in params.items() if k not in grad_only}
     with tuning("cross_entropy_fwd_grad", **params), tuning("cross_entropy_fwd", **loss_only):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 11, 500, 4, torch.device(DEVICE))
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
         assert cfg["PREFETCH"] == params["prefetch"] and cfg["SPLIT"] == params.get("split", 1)
-        assert cfg["WARP_MAX"] == bool(params.get("warp_max", 0))
+        assert cfg["WARP_MAX"] == bool(params.get("warp_max", 1))  # on by default
         if "sm_pct" in params:  # one program per SM on a fraction of the SMs (4 stand-in SMs on CPU)
             assert cfg["grid"][0] == min(11, max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100))
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))
         check_against_reference(11, 500, torch.float32, "none", seed=6, **_options("plain", 500))
-        assert cfg["FIXUP"] == bool(params.get("fixup", 0))
-        # each program of a team overwrites only its own slice of the row; fixup reads the target's logit
-        # before the tiles overwrite it
-        if cfg["SPLIT"] > 1 or cfg["FIXUP"]:
+        if cfg["SPLIT"] > 1:  # each program overwrites only its own slice of the row
             check_against_reference(
                 11, 500, torch.float32, "sum", seed=22, in_place=True, label_smoothing=0.1
             )
@@ -406,16 +402,18 @@ def test_split_rows_match_float64_reference_gpu(params, poisoned):
 @gpu
 @pytest.mark.parametrize(
     "params",
-    [{"warp_max": 1}, {"warp_max": 1, "block_bytes": 16384, "warps": 16}, {"warp_max": 1, "fixup": 1}],
+    [{"warp_max": 0}, {"warp_max": 1, "block_bytes": 16384, "warps": 16}, {"warp_max": 1, "grad_ahead": 0}],
     ids=str,
 )
-def test_strip_maxima_match_float64_reference_gpu(params, poisoned):
-    """Running maxima per warp-wide strip (bf16: 64 strips of 256 columns per 32 KiB tile) at real sizes."""
+def test_maxima_per_strip_or_tile_match_float64_reference_gpu(params, poisoned):
+    """Running maxima per warp-wide strip (the default; bf16: 64 strips of 256 columns per 32 KiB tile) or per
+    tile (warp_max 0), at real sizes."""
     with (
         tuning("cross_entropy_fwd_grad", cuda=0, **params),
-        tuning("cross_entropy_fwd", **{k: v for k, v in params.items() if k != "fixup"}),
+        tuning("cross_entropy_fwd", **{k: v for k, v in params.items() if k != "grad_ahead"}),
     ):
-        assert ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))["WARP_MAX"]
+        cfg = ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))
+        assert cfg["WARP_MAX"] == bool(params.get("warp_max", 1))  # on by default
         check_against_reference(
             8192,
             128256,

@@ -8,7 +8,9 @@ in the row) and scalars, so they apply unchanged to a vocabulary shard ``[vocab_
 
 - ``_ce_row_stats``: one streaming pass giving the running maximum ``m``, ``s = Σ exp(z − m)``,
   ``q = Σ exp(z − m)·z`` (entropy), ``Σ w·z`` (label smoothing, ``w`` the class weights or 1) and the
-  target logit. ``lse = m + log s``; shards combine these by the usual max-rescaled sums.
+  target logit. ``lse = m + log s``; shards combine these by the usual max-rescaled sums. With ``WARP_MAX``
+  (the default) each warp-wide strip of a tile keeps its own running maximum, so a tile costs warp shuffles
+  instead of a block-wide reduction; the strips merge once per row.
 - ``_ce_row_grad``: one pass that writes ``∂L/∂x`` given the row's lse (from the stats just computed, from
   a saved forward, or from an all-reduce over shards) and four per-row coefficients::
 
@@ -293,30 +295,6 @@ def _ce_row_stats_tiles(
 
 
 @triton.jit
-def _ce_grad_value(
-    x, w, is_t, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
-    HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
-):  # fmt: skip
-    # dL/dx for logits x (a tile or one value); the coefficients come premultiplied by ``scale``. TARGET
-    # False leaves out the target's -coef_t term (added by a separate store).
-    z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
-    p = tl.exp2(z2 - lse2)
-    d = p * coef_p
-    if ENTROPY or HAS_SOFTCAP:
-        z = z2 * 0.6931471805599453
-    if ENTROPY:
-        d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
-    if SMOOTH:
-        d -= coef_w * w
-    if TARGET:
-        d = tl.where(is_t, d - coef_t, d)
-    if HAS_SOFTCAP:
-        r = z / softcap
-        d = d * (1.0 - r * r)
-    return d
-
-
-@triton.jit
 def _ce_row_grad(
     x_row,
     g_row,
@@ -340,22 +318,13 @@ def _ce_row_grad(
     NUM_STAGES: tl.constexpr,
     REVERSE: tl.constexpr,
     AHEAD: tl.constexpr,
-    FIXUP: tl.constexpr,
 ):
     # REVERSE walks the tiles last to first: right after a statistics pass over the same row, the tiles
     # read last are the likeliest still in L2, whereas a forward walk starts with the oldest. AHEAD loads
-    # the next tile while this one is computed and stored. FIXUP (tuning key ``fixup``) leaves the target
-    # term out of the tiles (no per-element compare and select) and writes the target column afterwards,
-    # from its logit loaded before the loop (the gradient may overwrite the logits), once the block's tile
-    # stores are ordered before it by a barrier.
+    # the next tile while this one is computed and stored. The coefficients absorb ``scale`` once per row
+    # instead of a multiply per element.
     lse2 = lse * 1.4426950408889634  # base 2, as _ce_logit2
     coef_p, coef_t, coef_w, coef_e = coef_p * scale, coef_t * scale, coef_w * scale, coef_e * scale
-    has_t = t_local >= 0
-    if FIXUP:
-        x_t = tl.load(x_row + tl.where(has_t, t_local, 0), mask=has_t, other=0.0)
-        w_t = 1.0
-        if SMOOTH and HAS_WEIGHT:
-            w_t = tl.load(w_ptr + tl.where(has_t, t_local, 0), mask=has_t, other=0.0).to(tl.float32)
     n_tiles = tl.cdiv(n_cols, BLOCK)
     if AHEAD:
         x_next = _ce_grad_tile(x_row, (n_tiles - 1) * BLOCK if REVERSE else 0, n_cols, BLOCK, EVICT)
@@ -373,24 +342,27 @@ def _ce_row_grad(
             x_next = _ce_grad_tile(x_row, after, n_cols, BLOCK, EVICT)
         else:
             x = _ce_grad_tile(x_row, start, n_cols, BLOCK, EVICT)
-        w = 1.0
-        if SMOOTH and HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        d = _ce_grad_value(
-            x, w, cols == t_local, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
-            HAS_SOFTCAP, SMOOTH, ENTROPY, not FIXUP,
-        ).to(g_row.dtype.element_ty)  # fmt: skip
+        z2 = _ce_logit2(x, scale, softcap, HAS_SOFTCAP)
+        p = tl.exp2(z2 - lse2)
+        d = p * coef_p
+        if ENTROPY or HAS_SOFTCAP:
+            z = z2 * 0.6931471805599453
+        if ENTROPY:
+            d += tl.where(p > 0.0, coef_e * p * (ez - z), 0.0)
+        if SMOOTH:
+            if HAS_WEIGHT:
+                d -= coef_w * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                d -= coef_w
+        d = tl.where(cols == t_local, d - coef_t, d)
+        if HAS_SOFTCAP:
+            r = z / softcap
+            d = d * (1.0 - r * r)
+        d = d.to(g_row.dtype.element_ty)
         if EVICT:
             tl.store(g_row + cols, d, mask=mask, eviction_policy="evict_first")
         else:
             tl.store(g_row + cols, d, mask=mask)
-    if FIXUP:
-        d_t = _ce_grad_value(
-            x_t, w_t, True, scale, softcap, lse2, ez, coef_p, coef_t, coef_w, coef_e,
-            HAS_SOFTCAP, SMOOTH, ENTROPY, True,
-        )  # fmt: skip
-        tl.debug_barrier()  # every thread's tile stores land before the target column is rewritten
-        tl.store(g_row + tl.where(has_t, t_local, 0), d_t.to(g_row.dtype.element_ty), mask=has_t)
 
 
 @triton.jit
@@ -516,7 +488,6 @@ def _ce_fwd_kernel(
     REVERSE: tl.constexpr,
     GRAD_AHEAD: tl.constexpr,
     WARP_MAX: tl.constexpr,
-    FIXUP: tl.constexpr,
 ):
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
@@ -546,7 +517,7 @@ def _ce_fwd_kernel(
             _ce_row_grad(
                 x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
                 lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE, GRAD_AHEAD, FIXUP,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, REVERSE, GRAD_AHEAD,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0)
 
@@ -673,7 +644,7 @@ def _ce_fwd_split_kernel(
             _ce_row_grad(
                 x_row + c0, grad_ptr + row64 * grad_stride + c0, c_len, t_chunk, weight_ptr + c0, scale,
                 softcap, lse, 0.0, coef_p, coef_t, coef_w, 0.0,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False, False, False,
+                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, False, EVICT, NUM_STAGES, False, False,
             )  # fmt: skip
             tl.store(applied_ptr + row64, 1.0, mask=lead)
 
@@ -743,7 +714,7 @@ def _ce_bwd_kernel(
         _ce_row_grad(
             x_row, grad_ptr + row64 * grad_stride, n_cols, t_local, weight_ptr, scale, softcap,
             lse, ez, coef_p, coef_t, coef_w, ge,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False, False, False,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, HAS_G_ENT, EVICT, NUM_STAGES, False, False,
         )  # fmt: skip
 
 
@@ -802,22 +773,25 @@ def _rescale_kernel(ptr, n, n_blocks, factor_ptr, BLOCK: tl.constexpr):
 # ``_ce_fwd_split_kernel``, each program of a team reads and writes a contiguous slice of the row).
 # Defaults measured on an H200 at 8192 x 128256 bf16 (benchmarks/tune_cross_entropy.py, 2026-11-30).
 _DEFAULTS = {
-    # One read per element: small 128-thread programs, many per SM, so that one's reduction overlaps the
-    # others' loads (H200, 2026-11-30: 0.617 ms against 0.642 for 8 KiB tiles × 8 warps; 0.549 ms, 90% of
-    # the copy rate, once the row math moved to base 2 without per-element selects).
+    # One read per element: small programs, many per SM, so that one's reduction overlaps the others'
+    # loads, with maxima per warp-wide strip (H200, 2026-11-30, 8192 x 128256 bf16: 0.527 ms, 94% of the
+    # copy rate, against 0.545 for per-tile maxima at 4 KiB tiles x 4 warps and 0.558 at 8 KiB x 8).
     "cross_entropy_fwd": {
-        "block_bytes": 4096, "warps": 4, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
-        "warp_max": 0,
+        "block_bytes": 4096, "warps": 8, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
+        "warp_max": 1,
     },
-    # 32 KiB tiles, 1024 threads, the next tile loaded before the current one is reduced, eviction hints
-    # (1.51–1.57 ms: 63–66% of the copy rate counted as one read and one write, before the base-2 row
-    # math; the whole cross_entropy fwd+bwd then took 1.55 ms, 1.455 ms after it). The second read of a
-    # 256 KiB row mostly misses L2. Each knob meant to make it hit was measured slower on an H200
-    # (2026-11-30, ms): reverse 1.60, split 2/4 1.84/2.40, sm_pct 75/50 1.88/2.76, prefetch 2 1.69,
-    # grad_ahead 1.62 (one program per SM is paced by its per-tile reduction, so fewer SMs stream less).
+    # 32 KiB tiles, 1024 threads (one program per SM: the fewest rows in flight, so more of the second
+    # read hits L2), the next tile loaded before the current one is used in both passes, eviction hints,
+    # maxima per warp-wide strip. H200, 2026-11-30, 8192 x 128256 bf16: 1.29 ms (77% of the copy rate
+    # counted as one read and one write; the whole cross_entropy fwd+bwd 1.296-1.307 ms) against 1.35-1.45
+    # for per-tile maxima, whose block-wide reduction per tile (a barrier every 16 elements per thread) paced
+    # the program. Measured slower (ms, most before warp_max): reverse 1.60 (1.45 with warp_max), split 2/4
+    # 1.84/2.40, sm_pct 75/50 1.88/2.76 (90: 1.35 with warp_max), prefetch 2 1.69, smaller or larger tiles
+    # 1.42-2.52, two 512-thread programs per SM 1.64, no eviction hints 1.52, writing the target column
+    # after the tiles instead of a select per element 1.289 against 1.288.
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 0, "warp_max": 0, "fixup": 0,
+        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 1, "warp_max": 1,
         # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
         # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
         # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
@@ -879,7 +853,6 @@ def ce_launch_config(
         "REVERSE": bool(cfg.get("reverse", 0)),
         "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
         "WARP_MAX": bool(cfg.get("warp_max", 0)),
-        "FIXUP": bool(cfg.get("fixup", 0)),
     }
 
 

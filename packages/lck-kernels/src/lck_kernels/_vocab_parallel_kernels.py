@@ -184,7 +184,7 @@ def _vp_shard_grad_kernel(
         _ce_row_grad(
             z_ptr + row64 * z_row_stride, dz_ptr + row64 * dz_row_stride, n_cols, t_local, z_ptr, scale, 1.0,
             lse, ez, g + gl, g * smooth_keep, g * smooth_each, ge,
-            BLOCK, False, SMOOTH, False, HAS_G_ENT, EVICT, NUM_STAGES, False, False, False,
+            BLOCK, False, SMOOTH, False, HAS_G_ENT, EVICT, NUM_STAGES, False, False,
         )  # fmt: skip
 
 
