@@ -161,6 +161,10 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
 
         measure_tp(f"liger_tp{world}", liger_tp, {"path": path})
     finalize()
+    # The NCCL path again (finalize dropped the runtime context): the GPUs' clocks drift over a long run, so
+    # the NVSHMEM rows are compared with NCCL rows timed before and after them.
+    for mib in cfg["chunk_mib"]:
+        measure_tp(f"lck_tp{world}_nccl_after", lck_tp(mib), {"chunk_mib": mib})
 
     # 4. Single GPU, whole vocabulary, rank 0 only (the others wait at the gloo barrier).
     if rank == 0:

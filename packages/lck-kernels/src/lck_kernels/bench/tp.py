@@ -12,6 +12,8 @@ maximum over ranks:
   (torch.distributed reductions over NCCL);
 - ``lck_tp<N>_nvshmem``: the same after ``lck_runtime.configure(flsce=...)`` (NVSHMEM reductions; labelled
   ``lck_tp<N>_runtime`` if NVSHMEM could not come up);
+- ``lck_tp<N>_nccl_after``: the NCCL path again after ``finalize`` (so after the NVSHMEM and Liger rows): a
+  control for the clocks' drift over a long run;
 - ``liger_tp<N>``: Liger-Kernel's ``LigerFusedLinearScaledCrossEntropyTPFunction`` when installed (its
   native CUTLASS path if liger-cute-kernels is importable, else its torch fallback; ``extra.path`` says);
 - on rank 0 alone, over the whole vocabulary: ``lck_single`` (``fused_linear_scaled_cross_entropy``),
