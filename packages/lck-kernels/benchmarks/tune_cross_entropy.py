@@ -382,18 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     _time_cross_entropy(sweep, best["cross_entropy_fwd_grad"], logits, target)
     if args.grad_only:
-        print("4. loss only (cross_entropy_fwd): per-tile maxima, the default and variants", flush=True)
+        print("4. loss only (cross_entropy_fwd), by warp_max", flush=True)
         loss_fn = lambda: torch.ops.lck.cross_entropy_fwd(
             logits, target, None, -100, 0.0, 0.0, 0.0, "mean", False
         )
         nbytes = logits.numel() * logits.element_size()
-        for p in (
-            {"warp_max": 0, "warps": 4},
-            {},
-            {"row_ahead": 1},
-            {"block_bytes": 8192, "warps": 4},
-            {"block_bytes": 8192, "warps": 4, "row_ahead": 1},
-        ):  # fmt: skip  (per-tile maxima, the default, and variants)
+        for p in _grid(warp_max=(0, 1), block_bytes=(4096, 8192, 16384), warps=(4, 8)):
             sweep.run("cross_entropy_fwd", p, loss_fn, nbytes, copy_rate)
         best["cross_entropy_fwd"] = (_best(sweep, "cross_entropy_fwd") or [{}])[0]
         stem = f"tune-cross-entropy-grad-{gpu_slug()}-{_dt.date.today().isoformat()}"

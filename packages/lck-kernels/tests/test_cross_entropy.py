@@ -277,16 +277,6 @@ def test_reference_matches_torch_reduced_loss():
         {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1},
         {"block_bytes": 1024, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "warp_max": 1},
         {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1, "grad_ahead": 1},
-        # the next row's first tile loaded during this row (persistent grid: several rows per program)
-        {"block_bytes": 1024, "programs_per_sm": 1, "prefetch": 1, "warp_max": 1, "row_ahead": 1},
-        {
-            "block_bytes": 1024,
-            "programs_per_sm": 0,
-            "prefetch": 1,
-            "warp_max": 1,
-            "row_ahead": 1,
-            "grad_ahead": 1,
-        },
         # rows split over teams of programs (4 stand-in SMs on CPU: at most 4 per team)
         {"block_bytes": 256, "programs_per_sm": 1, "prefetch": 1, "split": 4, "warp_max": 0},
         {"block_bytes": 512, "programs_per_sm": 0, "evict": 1, "prefetch": 0, "split": 2, "warp_max": 0},
@@ -304,7 +294,6 @@ def test_tiled_rows_and_persistent_grids(params, poisoned):
         assert cfg["BLOCK"] < 500 and cfg["grid"][0] <= 11 * cfg["SPLIT"]
         assert cfg["PREFETCH"] == params["prefetch"] and cfg["SPLIT"] == params.get("split", 1)
         assert cfg["WARP_MAX"] == bool(params.get("warp_max", 1))  # on by default
-        assert cfg["ROW_AHEAD"] == bool(params.get("row_ahead", 0))
         if "sm_pct" in params:  # one program per SM on a fraction of the SMs (4 stand-in SMs on CPU)
             assert cfg["grid"][0] == min(11, max(1, num_sms(torch.device(DEVICE)) * params["sm_pct"] // 100))
         check_against_reference(11, 500, torch.float32, "mean", seed=5, **_options("everything", 500))

@@ -146,8 +146,8 @@ def _ce_row_stats(
     # needs no block-wide reduction (no shared memory, no barrier); see _ce_row_stats_strips.
     if WARP_MAX:
         m, s, q, sw, zt = _ce_row_stats_strips(
-            x_row, n_cols, t_local, w_ptr, scale, softcap, 0.0,
-            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, False,
+            x_row, n_cols, t_local, w_ptr, scale, softcap,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH,
         )  # fmt: skip
     else:
         m, s, q, sw, zt = _ce_row_stats_tiles(
@@ -158,23 +158,6 @@ def _ce_row_stats(
 
 
 @triton.jit
-def _ce_strip_offsets(x_row, BLOCK: tl.constexpr):
-    # A tile as R strips of W columns, W = one warp's 16-byte loads (32 lanes x 16 B): Triton lays a
-    # [R, W] tile out with whole strips per warp.
-    BITS: tl.constexpr = x_row.dtype.element_ty.primitive_bitwidth
-    W: tl.constexpr = BLOCK if BLOCK * BITS <= 4096 else 4096 // BITS
-    R: tl.constexpr = BLOCK // W
-    return tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
-
-
-@triton.jit
-def _ce_first_strips(x_row, n_cols, BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
-    # A row's first tile as _ce_row_stats_strips loads it (n_cols 0: nothing loaded)
-    OTHER: tl.constexpr = 0.0 if HAS_SOFTCAP else float("-inf")
-    return _ce_load_at(x_row, _ce_strip_offsets(x_row, BLOCK), n_cols, EVICT, OTHER)
-
-
-@triton.jit
 def _ce_row_stats_strips(
     x_row,
     n_cols,
@@ -182,7 +165,6 @@ def _ce_row_stats_strips(
     w_ptr,
     scale,
     softcap,
-    x_first,
     BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SMOOTH: tl.constexpr,
@@ -191,24 +173,22 @@ def _ce_row_stats_strips(
     EVICT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FIRST: tl.constexpr,
 ):
-    # The per-strip maximum is a warp shuffle, not a block-wide reduction through shared memory with a
-    # barrier (see _ce_strip_offsets). Each strip keeps its own running maximum; the strips merge once per
-    # row (max-rescaled sums, as shards do). Same results as the per-tile form up to float32 rounding of
-    # the sums. FIRST: the caller loaded the first tile already (x_first, from _ce_first_strips), during
-    # the previous row's gradient pass; needs PREFETCH >= 1.
+    # The tile as R strips of W columns, W = one warp's 16-byte loads (32 lanes x 16 B): Triton lays a
+    # [R, W] tile out with whole strips per warp, so the per-strip maximum is a warp shuffle, not a
+    # block-wide reduction through shared memory with a barrier. Each strip keeps its own running maximum;
+    # the strips merge once per row (max-rescaled sums, as shards do). Same results as the per-tile form
+    # up to float32 rounding of the sums.
     OTHER: tl.constexpr = 0.0 if HAS_SOFTCAP else float("-inf")
-    offs = _ce_strip_offsets(x_row, BLOCK)
-    R: tl.constexpr = offs.shape[0]
-    W: tl.constexpr = offs.shape[1]
+    BITS: tl.constexpr = x_row.dtype.element_ty.primitive_bitwidth
+    W: tl.constexpr = BLOCK if BLOCK * BITS <= 4096 else 4096 // BITS
+    R: tl.constexpr = BLOCK // W
+    offs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
     m = tl.full((R,), -3.0e38, tl.float32)
     s = tl.zeros((R, W), tl.float32)
     q = tl.zeros((R, W), tl.float32)
     sw = tl.zeros((), tl.float32)
-    if FIRST:
-        x_next = x_first
-    elif PREFETCH >= 1:
+    if PREFETCH >= 1:
         x_next = _ce_load_at(x_row, offs, n_cols, EVICT, OTHER)
     for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
         cols = start + offs
@@ -508,42 +488,23 @@ def _ce_fwd_kernel(
     REVERSE: tl.constexpr,
     GRAD_AHEAD: tl.constexpr,
     WARP_MAX: tl.constexpr,
-    ROW_AHEAD: tl.constexpr,
 ):
-    # ROW_AHEAD (tuning key row_ahead; needs warp_max and prefetch): the next row's first tile loads
-    # while this row finishes, so a program does not wait for it between rows.
     eps, z_scale, scale, softcap = _f32(eps), _f32(z_scale), _f32(scale), _f32(softcap)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wsum = tl.load(red_ptr + 4)
     cw = tl.load(red_ptr + 2)
     cz = tl.load(red_ptr + 3)
-    if ROW_AHEAD:
-        first = _ce_first_strips(
-            x_ptr + tl.cast(pid, tl.int64) * x_stride, tl.where(pid < n_rows, n_cols, 0), BLOCK, HAS_SOFTCAP,
-            EVICT,
-        )  # fmt: skip
     for row in range(pid, n_rows, nprog):
         row64 = tl.cast(row, tl.int64)
         x_row = x_ptr + row64 * x_stride
         valid, in_range, t_local, w_t = _ce_target(
             target_ptr, row64, weight_ptr, n_cols, ignore_index, HAS_WEIGHT
         )
-        if ROW_AHEAD:
-            m, s, q, sw, zt = _ce_row_stats_strips(
-                x_row, n_cols, t_local, weight_ptr, scale, softcap, first,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, True,
-            )  # fmt: skip
-            after = row + nprog
-            first = _ce_first_strips(
-                x_ptr + tl.cast(after, tl.int64) * x_stride, tl.where(after < n_rows, n_cols, 0), BLOCK,
-                HAS_SOFTCAP, EVICT,
-            )  # fmt: skip
-        else:
-            m, s, q, sw, zt = _ce_row_stats(
-                x_row, n_cols, t_local, weight_ptr, scale, softcap,
-                BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, WARP_MAX,
-            )  # fmt: skip
+        m, s, q, sw, zt = _ce_row_stats(
+            x_row, n_cols, t_local, weight_ptr, scale, softcap,
+            BLOCK, HAS_WEIGHT, SMOOTH, HAS_SOFTCAP, ENTROPY, EVICT, NUM_STAGES, PREFETCH, WARP_MAX,
+        )  # fmt: skip
         lse = m + tl.log(s)
         _ce_store_row(
             row64, True, valid, in_range, w_t, lse, q / s, sw, zt, wsum, n_cols, eps, z_scale,
@@ -817,7 +778,7 @@ _DEFAULTS = {
     # copy rate, against 0.545 for per-tile maxima at 4 KiB tiles x 4 warps and 0.558 at 8 KiB x 8).
     "cross_entropy_fwd": {
         "block_bytes": 4096, "warps": 8, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 1,
-        "warp_max": 1, "row_ahead": 0,
+        "warp_max": 1,
     },
     # 32 KiB tiles, 1024 threads (one program per SM: the fewest rows in flight, so more of the second
     # read hits L2), the next tile loaded before the current one is used in both passes, eviction hints,
@@ -827,10 +788,11 @@ _DEFAULTS = {
     # the program. Measured slower (ms, most before warp_max): reverse 1.60 (1.45 with warp_max), split 2/4
     # 1.84/2.40, sm_pct 75/50 1.88/2.76 (90: 1.35 with warp_max), prefetch 2 1.69, smaller or larger tiles
     # 1.42-2.52, two 512-thread programs per SM 1.64, no eviction hints 1.52, writing the target column
-    # after the tiles instead of a select per element 1.289 against 1.288.
+    # after the tiles instead of a select per element 1.289 against 1.288, the next row's first tile loaded
+    # during the current row 1.314 against 1.295 (both removed).
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
-        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 1, "warp_max": 1, "row_ahead": 0,
+        "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 1, "warp_max": 1,
         # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
         # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
         # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
@@ -892,10 +854,6 @@ def ce_launch_config(
         "REVERSE": bool(cfg.get("reverse", 0)),
         "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
         "WARP_MAX": bool(cfg.get("warp_max", 0)),
-        # the next row's first tile during this row: only with strips and a look-ahead
-        "ROW_AHEAD": bool(cfg.get("row_ahead", 0))
-        and bool(cfg.get("warp_max", 0))
-        and cfg.get("prefetch", 0) >= 1,
     }
 
 

@@ -153,7 +153,6 @@ def launch_fwd(
         REVERSE=cfg["REVERSE"],
         GRAD_AHEAD=cfg["GRAD_AHEAD"],
         WARP_MAX=cfg["WARP_MAX"],
-        ROW_AHEAD=cfg["ROW_AHEAD"],
         num_warps=cfg["num_warps"],
     )
 
