@@ -349,8 +349,8 @@ def test_split_launch_config():
 def test_split_kernel_gives_up_instead_of_hanging():
     """Phase 0 (the GPU form) in the interpreter: program 0 waits for partners that run only after it. It must
     give up after MAX_SPIN polls, raise the abort flag, and leave NaN, not hang; later waits end at once."""
-    from lck_kernels import _cross_entropy_kernels as k
     from lck_kernels._cross_entropy_launch import CEOptions, launch_reduction
+    from lck_kernels._cross_entropy_split import _ce_fwd_split_kernel
 
     n, v, split = 3, 256, 4
     logits, target = make_case(n, v, torch.float32, seed=24, ignore_every=0)
@@ -359,7 +359,7 @@ def test_split_kernel_gives_up_instead_of_hanging():
     grad = torch.zeros_like(logits)
     part = torch.zeros(n * split * 8 + 1, dtype=torch.int64)
     ignore_index, eps, z_scale, scale, softcap = CEOptions().scalars()
-    k._ce_fwd_split_kernel[(split,)](
+    _ce_fwd_split_kernel[(split,)](
         logits, v, grad, v, target, lse, red, loss, lse, lse, lse, applied, part, n, v, v // split, ignore_index,
         eps, z_scale, scale, softcap, BLOCK=64, SPLIT=split, HAS_WEIGHT=False, SMOOTH=False, HAS_Z=False,
         HAS_SOFTCAP=False, ENTROPY=False, EVICT=False, NUM_STAGES=1, PREFETCH=False, PHASE=0, MAX_SPIN=3,
@@ -840,7 +840,7 @@ _CE_FP64_SPECS = [
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
     ),
     (  # phase 0: both passes and the team's wait in one launch, as on a GPU
-        "lck_kernels._cross_entropy_kernels", "_ce_fwd_split_kernel", ["eps", "z_scale", "scale", "softcap"],
+        "lck_kernels._cross_entropy_split", "_ce_fwd_split_kernel", ["eps", "z_scale", "scale", "softcap"],
         {"BLOCK": 256, "SPLIT": 4, **_ALL_FLAGS, "ENTROPY": True, "NUM_STAGES": 1, "PREFETCH": True, "PHASE": 0,
          "MAX_SPIN": 1 << 24},
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64", "part_ptr": "*i64"},

@@ -16,6 +16,7 @@ import triton
 from lck_kernels import _cross_entropy_kernels as k
 from lck_kernels._common import interpreting, launcher, num_sms
 from lck_kernels._cross_entropy_cuda import try_launch
+from lck_kernels._cross_entropy_split import MAX_SPIN, _ce_fwd_split_kernel
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def launch_fwd(
         # the interpreter runs programs one after another, so there the statistics pass (phase 1) and the
         # gradient pass (phase 2) are two launches of the same kernel.
         for phase in (1, 2) if interpreting() else (0,):
-            _kernel(k._ce_fwd_split_kernel, wrap)[cfg["grid"]](
+            _kernel(_ce_fwd_split_kernel, wrap)[cfg["grid"]](
                 logits, logits.stride(0), grad, grad.stride(0), target,
                 class_weight if class_weight is not None else lse, red, loss,
                 zloss if zloss is not None else lse, lse, entropy if entropy is not None else lse,
@@ -119,7 +120,7 @@ def launch_fwd(
                 eps, z_scale, scale, softcap,
                 BLOCK=cfg["BLOCK"], SPLIT=cfg["SPLIT"], **opts.flags(class_weight is not None),
                 ENTROPY=entropy is not None, EVICT=cfg["EVICT"], NUM_STAGES=cfg["NUM_STAGES"],
-                PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=k.MAX_SPIN, WARP_MAX=cfg["WARP_MAX"],
+                PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=MAX_SPIN, WARP_MAX=cfg["WARP_MAX"],
                 num_warps=cfg["num_warps"],
             )  # fmt: skip
         return

@@ -3,7 +3,7 @@
 Each rank of a tensor-parallel group holds a contiguous vocabulary shard ``[vocab_start, vocab_start +
 n_cols)`` of every row's logits ``z = scale · logits``. The per-row quantities of the whole-vocabulary
 softmax decompose over shards. The row passes are the single-GPU cross entropy's building blocks
-(``_cross_entropy_kernels._ce_row_stats`` / ``_ce_row_grad``, which take a shard-local target index, and
+(``_cross_entropy_rows._ce_row_stats`` / ``_ce_row_grad``, which take a shard-local target index, and
 their tuned launch configurations); this module adds what the group needs around them:
 
 1. ``_vp_shard_stats_kernel`` — per row of the shard: the local maximum ``m``, ``s = Σ exp(z − m)``,
@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from lck_kernels._common import next_power_of_2, tuned
-from lck_kernels._cross_entropy_kernels import _ce_row_grad, _ce_row_stats, _f32, ce_launch_config
+from lck_kernels._cross_entropy_kernels import ce_launch_config
+from lck_kernels._cross_entropy_rows import _ce_row_grad, _ce_row_stats, _f32
 
 STATS = 5  # m, s, q, sum_z, target_z per (row, shard)
 _M, _S, _Q, _SZ, _ZT = range(STATS)
