@@ -174,6 +174,21 @@ def _accumulate_grads(
         grad_b32 += dlogits.sum(0, dtype=torch.float32)
 
 
+def _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b):
+    """``run_chunks`` with each chunk's gradient GEMMs after its row pass; ``grad_w`` is zeroed when there
+    are no tokens (no first chunk writes it)."""
+
+    def gemms(s, e, logits):
+        _accumulate_grads(
+            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
+            grad_b32 if need_b else None,
+        )  # fmt: skip
+
+    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
+    if need_w and x.shape[0] == 0:
+        grad_w.zero_()
+
+
 def _grad_buffers(x, weight, bias, need_x: bool, need_w: bool, need_b: bool):
     dev = x.device
     grad_x = torch.empty(x.shape if need_x else (0,), dtype=x.dtype, device=dev)
@@ -214,15 +229,7 @@ def forward_with_grads(
             zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[s:e], wrap=False,
         )  # fmt: skip
 
-    def gemms(s, e, logits):
-        _accumulate_grads(
-            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
-            grad_b32 if need_b else None,
-        )  # fmt: skip
-
-    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
-    if need_w and n == 0:
-        grad_w.zero_()
+    _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b)
     loss, z = finalize_loss(ce, zl, red, reduction)
     return loss, z, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
 
@@ -282,7 +289,7 @@ def backward_recompute(
     ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``; ``g_lse``/``g_entropy`` are ``[N]``
     or ``None``. Unneeded gradients come back empty.
     """
-    n, v = x.shape[0], weight.shape[0]
+    v = weight.shape[0]
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
 
@@ -293,15 +300,7 @@ def backward_recompute(
             g_lse=_row_slice(g_lse, s, e), g_entropy=_row_slice(g_entropy, s, e), wrap=False,
         )  # fmt: skip
 
-    def gemms(s, e, logits):
-        _accumulate_grads(
-            logits, x[s:e], weight, s == 0, grad_x[s:e] if need_x else None, grad_w if need_w else None,
-            grad_b32 if need_b else None,
-        )  # fmt: skip
-
-    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
-    if need_w and n == 0:
-        grad_w.zero_()
+    _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b)
     return grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
 
 
