@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from lck_runtime import benchmarking
-from lck_runtime.benchmarking import Record, host_ms, summarize, time_cuda, time_loop, write_results
+from lck_runtime.benchmarking import (
+    Record,
+    device_barrier,
+    host_ms,
+    summarize,
+    time_cuda,
+    time_loop,
+    write_results,
+)
+from lck_runtime.testing import run_workers
 
 
 def test_write_results_json_and_csv(tmp_path) -> None:
@@ -159,6 +168,68 @@ def test_time_cuda_head_start_hides_host_dispatch(fake_cuda) -> None:
     assert bare >= 1.0 - EPS, bare
 
 
+class _Peer:
+    """The other rank of a two-rank collective, as this rank's FakeCuda sees it: after each host barrier
+    the peer's stream reaches its first collective ``skew_ms`` later than ours; once met, they stay met."""
+
+    def __init__(self, cuda: FakeCuda, skew_ms: float) -> None:
+        self.cuda, self.skew_ms, self.pending = cuda, skew_ms, 0.0
+
+    def barrier(self) -> None:
+        self.cuda.log.append("barrier")
+        self.pending = self.skew_ms
+
+    def collective(self, log: str) -> Callable[[], None]:
+        def fn() -> None:
+            self.cuda.log.append(log)
+            self.cuda.busy_until = max(time.perf_counter(), self.cuda.busy_until) + self.pending * 1e-3
+            self.pending = 0.0
+
+        return fn
+
+
+def test_time_cuda_align_keeps_rank_skew_out_of_the_timed_call(fake_cuda) -> None:
+    # A 1 ms kernel ending in a collective, with the peer released 2 ms later by each host barrier.
+    peer = _Peer(fake_cuda, skew_ms=2.0)
+    kernel, meet = _kernel(fake_cuda, 1.0), peer.collective("allreduce")
+
+    def fn() -> None:
+        kernel()
+        meet()
+
+    skewed = time_cuda(fn, warmup=1, iters=4, barrier=peer.barrier)
+    assert min(skewed) >= 3.0 - EPS, skewed  # the early rank timed its wait for the late one
+    fake_cuda.log.clear()
+    aligned = time_cuda(fn, warmup=1, iters=4, barrier=peer.barrier, align=peer.collective("align"))
+    for t in aligned:
+        assert 1.0 - EPS <= t < 1.5, aligned
+    timed = fake_cuda.log[fake_cuda.log.index("sync") + 1 :]
+    assert timed[:5] == ["sync", "barrier", "flush", "align", "fn"], timed
+    assert timed.count("align") == 4, timed
+
+
+def test_time_cuda_rejects_hooks_that_are_not_callable(fake_cuda) -> None:
+    for name in ("setup", "barrier", "align"):
+        with pytest.raises(TypeError, match=f"^time_cuda: {name} must be callable or None, got int"):
+            time_cuda(_kernel(fake_cuda, 0.1), iters=1, **{name: 3})
+    assert fake_cuda.log == []
+
+
+def test_device_barrier_needs_an_initialised_nccl_group() -> None:
+    with pytest.raises(RuntimeError, match=r"^device_barrier: torch\.distributed is not initialised"):
+        device_barrier()
+    (result,) = run_workers(_device_barrier_on_gloo, 1)
+    assert result == "device_barrier: group must use the nccl backend (a device-side collective), got 'gloo'"
+
+
+def _device_barrier_on_gloo(rank: int, world: int) -> str:
+    try:
+        device_barrier()
+    except ValueError as exc:
+        return str(exc)
+    return "accepted a gloo group"
+
+
 def test_time_loop_counts_host_gaps(fake_cuda) -> None:
     gpu_bound = time_loop(_kernel(fake_cuda, 1.0), iters=10, warmup=2)
     assert 1.0 - EPS <= gpu_bound < 1.5, gpu_bound
@@ -229,3 +300,32 @@ def test_timers_measure_a_known_kernel_on_gpu() -> None:
     launch = host_ms(lambda: torch.cuda._sleep(1000), iters=10)
     assert launch is not None and 0.0 < launch < 1.0, launch
     assert host_ms(torch.cuda.synchronize, iters=5) is None
+
+
+def _skewed_collective(rank: int, world: int, use_align: bool) -> list[float]:
+    """Rank 1 enters every timed call ~20 ms of host time after rank 0; the call is a short spin then an
+    all-reduce, so without a device-side meeting point rank 0 times its wait for rank 1."""
+    import torch.distributed as dist
+
+    x = torch.randn(1 << 20, device="cuda")
+    late = (lambda: time.sleep(0.02)) if rank == 1 else (lambda: None)
+
+    def fn() -> None:
+        torch.cuda._sleep(1_000_000)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+
+    align = device_barrier() if use_align else None
+    return time_cuda(fn, warmup=2, iters=6, barrier=lambda: (dist.barrier(), late()), align=align)
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("use_align", [False, True], ids=["host-barrier", "aligned"])
+def test_device_barrier_aligns_two_gpus(use_align: bool) -> None:
+    rank0, rank1 = run_workers(_skewed_collective, 2, use_align, backend="nccl")
+    slow = statistics.median(rank0)
+    if use_align:
+        assert slow < 10.0, f"aligned: rank 0 still timed rank 1's 20 ms lateness ({rank0})"
+        assert statistics.median(rank1) < 10.0, rank1
+    else:
+        # the control: the harness really produces the skew that align removes
+        assert slow >= 15.0, f"expected rank 0 to wait ~20 ms for rank 1 without align, got {rank0}"

@@ -1,8 +1,8 @@
 """``lck bench ep`` / ``python -m lck_ep.benchmark``: time EP dispatch/combine and the layout kernel.
 
 On GPUs it starts one process per visible GPU (NCCL; at most ``--gpus``) and, for each shape,
-times on every rank with fixed iteration counts, a device sync and a barrier before each timed call
-(never an adaptive repeat count, which would desynchronise collectives):
+times on every rank with fixed iteration counts, a device sync, a barrier and a device-side meeting
+point before each timed call (never an adaptive repeat count, which would desynchronise collectives):
 
 - ``layout``: the JIT layout kernel (``lck_kernel``) against the same layout in torch ops (``torch``);
 - ``dispatch`` / ``combine``: lck's reference backend over NCCL, synced (``lck_reference``) and
@@ -58,10 +58,12 @@ CPU_SHAPES = [Shape("tiny", 64, 256, 4, 4)]
 def _timer(device_type: str, iters: int, warmup: int) -> Callable[..., list[float]]:
     import torch.distributed as dist
 
-    from lck_runtime.benchmarking import time_cuda
+    from lck_runtime.benchmarking import device_barrier, time_cuda
 
     if device_type == "cuda":
-        return lambda fn: time_cuda(fn, warmup=warmup, iters=iters, barrier=dist.barrier)
+        # The device-side meeting point keeps host-barrier skew out of the timed collective.
+        align = device_barrier()
+        return lambda fn: time_cuda(fn, warmup=warmup, iters=iters, barrier=dist.barrier, align=align)
 
     def cpu(fn: Callable[[], Any]) -> list[float]:
         for _ in range(warmup):

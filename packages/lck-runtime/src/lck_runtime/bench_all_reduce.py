@@ -3,8 +3,8 @@
     python -m lck_runtime.bench_all_reduce --out DIR [--gpus 2] [--sizes 1024,65536,...] [--iters 30]
 
 Spawns one NCCL process per GPU, configures the runtime with an FLSCE section large enough for the
-largest size, and times both providers with fixed iteration counts, CUDA events and a barrier before
-every call (``benchmarking.time_cuda``). Each record is the slowest rank's median. Writes
+largest size, and times both providers with fixed iteration counts, CUDA events, a barrier and a device-side
+meeting point before every call (``benchmarking.time_cuda``). Each record is the slowest rank's median. Writes
 ``all_reduce-<gpu>-<date>.{json,csv,png}`` under ``--out``.
 """
 
@@ -23,11 +23,12 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int) -> list[dict[st
     import torch.distributed as dist
 
     import lck_runtime as L
-    from lck_runtime.benchmarking import summarize, time_cuda
+    from lck_runtime.benchmarking import device_barrier, summarize, time_cuda
 
     hidden = 1024
     native = L.configure(flsce=L.FusedLinearCrossEntropyConfig(-(-max(sizes) // hidden), hidden, 1))
     ctx = L.flsce_context()
+    align = device_barrier()  # the ranks' events start together: no rank times a late peer's host skew
     rows = []
     try:
         for n in sizes:
@@ -40,7 +41,12 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int) -> list[dict[st
             )
             for provider, fn in calls:
                 times = time_cuda(
-                    fn, warmup=5, iters=iters, setup=lambda t=t, src=src: t.copy_(src), barrier=dist.barrier
+                    fn,
+                    warmup=5,
+                    iters=iters,
+                    setup=lambda t=t, src=src: t.copy_(src),
+                    barrier=dist.barrier,
+                    align=align,
                 )
                 rows.append({"provider": provider, "numel": n, **summarize(times)})
             # one checked call: the two providers agree

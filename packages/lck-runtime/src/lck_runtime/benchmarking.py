@@ -129,6 +129,7 @@ def time_cuda(
     iters: int = 30,
     setup: Callable[[], Any] | None = None,
     barrier: Callable[[], None] | None = None,
+    align: Callable[[], Any] | None = None,
     flush_l2: bool = True,
 ) -> list[float]:
     """Milliseconds per call of ``fn``, measured with CUDA events, one pair per call.
@@ -136,6 +137,12 @@ def time_cuda(
     ``setup`` runs before each call outside the timed region (e.g. zeroing grads). ``barrier`` runs
     before each timed call, after a device sync, to keep collective benchmarks in lock step. The
     iteration counts are fixed, never adaptive, so every rank runs exactly the same sequence.
+
+    ``align`` (for collectives, e.g. :func:`device_barrier`) is enqueued on the device just before each
+    start event. A host barrier releases the ranks tens to hundreds of microseconds apart, and without
+    a device-side meeting point the first collective inside ``fn`` absorbs that skew, so the early rank
+    times its wait for the late one. With ``align`` every rank's events start when the ranks' streams
+    meet, as they do in a training step that follows other collectives.
 
     ``flush_l2`` writes a 256 MiB buffer before each call, outside the timed region. It evicts the
     previous call's data from L2 (an H200 has 50 MB), so inputs come from HBM as in training, and it
@@ -146,6 +153,9 @@ def time_cuda(
     dispatch gaps included, use :func:`time_loop`.
     """
     _check_timing_args("time_cuda", fn, iters, warmup)
+    for name, hook in (("setup", setup), ("barrier", barrier), ("align", align)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"time_cuda: {name} must be callable or None, got {type(hook).__name__}")
     import torch
 
     flush = _l2_flush_buffer() if flush_l2 else None
@@ -168,11 +178,37 @@ def time_cuda(
             # ~2.5 ms of GPU spin outside the timed region: the host enqueues the call meanwhile, so
             # the events bracket GPU execution rather than host dispatch (the same for every provider).
             torch.cuda._sleep(5_000_000)
+        if align is not None:
+            align()
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def device_barrier(group: Any = None) -> Callable[[], None]:
+    """A device-side meeting point for :func:`time_cuda`'s ``align``: an all-reduce of one element over
+    ``group`` (default WORLD) on the current stream, so it completes on every rank at about the same
+    moment without blocking the host. Built once per group; every rank of the group must call it."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("device_barrier: torch.distributed is not initialised")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"device_barrier: group must be a ProcessGroup or None, got {type(group).__name__}")
+    if dist.get_backend(group) != "nccl":
+        raise ValueError(
+            f"device_barrier: group must use the nccl backend (a device-side collective), "
+            f"got {dist.get_backend(group)!r}"
+        )
+    token = torch.ones(1, device="cuda")  # its value is never read: only the meeting matters
+
+    def align() -> None:
+        dist.all_reduce(token, op=dist.ReduceOp.MAX, group=group)
+
+    return align
 
 
 def host_ms(fn: Callable[[], Any], *, iters: int = 20, warmup: int = 3) -> float | None:

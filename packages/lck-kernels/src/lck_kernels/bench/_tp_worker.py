@@ -41,7 +41,14 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
 
     from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as vp_flsce
     from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize
-    from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+    from lck_runtime.benchmarking import (
+        Record,
+        device_barrier,
+        peak_memory_mib,
+        summarize,
+        time_cuda,
+        time_loop,
+    )
 
     tokens, hidden, vocab, tau, entropy = (
         cfg["tokens"],
@@ -54,6 +61,9 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
     group = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=1800))
     barrier = lambda: dist.barrier(group=cpu)
+    # The gloo barrier keeps the host loops in step; the device-side meeting point makes every rank's
+    # events start together, so no rank times its wait for a late peer (see time_cuda's ``align``).
+    align = device_barrier(group)
     vs = vocab // world
     shape = f"{tokens}x{hidden}->{vocab}"
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -81,10 +91,13 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
         fns = dict(zip(("fwd", "fwd_bwd"), _closures(op, x, w, target, g_nll, g_ent, entropy)))
         for mode, fn in fns.items():
             rec = Record("flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": world, **extra})
-            err = None
+            err, loop = None, None
             try:
-                times = time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"], barrier=barrier)
+                times = time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"], barrier=barrier, align=align)
                 peak = peak_memory_mib(fn)
+                barrier()
+                # Back to back, as in a training loop (each call's collectives keep the ranks in step).
+                loop = time_loop(fn, iters=cfg["iters"], warmup=1)
             except Exception as exc:  # a provider that fails is a record, not a crash (all ranks fail alike)
                 err, times, peak = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", [], None
             errs: list[Any] = [None] * world
@@ -94,6 +107,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
                 records.append(rec)
                 continue
             rec.__dict__.update(summarize(gathered(times)))
+            rec.extra["loop_ms"] = max(gathered([loop]))
             peaks: list[Any] = [None] * world
             dist.all_gather_object(peaks, peak, group=cpu)
             rec.peak_mib = max(peaks)

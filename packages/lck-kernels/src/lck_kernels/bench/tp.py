@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         "check": check,
         "targets": targets,
         "peers_from_facts": {"liger_cute_kernels_0.8.5_tp2_ms_and_mib": LIGER_CUTE_TP2},
-        "timing": "CUDA events per call, gloo barrier before each, fixed iterations; TP time = max over ranks",
+        "timing": (
+            "CUDA events per call, gloo barrier then a device-side all-reduce (time_cuda align) before each, "
+            "fixed iterations; TP time = max over ranks; extra.loop_ms: back to back, max over ranks"
+        ),
         "peak_mib": "peak allocated during one call above what was live before it (outputs and grads included)",
         "wall_s": time.monotonic() - t0,
     }
