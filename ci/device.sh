@@ -4,7 +4,7 @@
 # plus a summary).
 #
 #   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
-#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, ep, ep-bench, tp,
+#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
 #           tp-bench, megatron, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,7 @@ run_stage() {
     kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --budget-s ${TUNE_BUDGET:-200} --out $W/tune-ce" ;;
     ce-tune) timeout "$limit" python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --grad-only --budget-s ${TUNE_BUDGET:-200} --out "$W/tune-ce" ;;
     host) timeout "$limit" python3 packages/lck-kernels/benchmarks/host_overhead.py --out "$W/host" ;;
+    flce-clocks) timeout "$limit" python3 packages/lck-kernels/benchmarks/flce_clocks.py --out "$W/flce-clocks" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;

@@ -17,9 +17,8 @@ their tuned launch configurations); this module adds what the group needs around
    of the per-row outputs, writes ``d(loss)/d(logits)`` of the shard; it may write in place over the logits.
 
 ``_vp_scale_kernel`` scales a gradient prepared in the forward by the upstream scalar (no pass at 1.0).
-``_vp_target_digest_kernel`` summarises a target vector (min and max of the non-ignored targets and a
-position-weighted hash) so the ops can check, in the same collective that checks shapes, that every rank
-holds the same targets inside the vocabulary. All row offsets are int64 (rows × vocabulary passes 2^31).
+The target digest that the ops' agreement uses lives in ``_vocab_parallel_digest`` (re-exported here).
+All row offsets are int64 (rows × vocabulary passes 2^31).
 """
 
 from __future__ import annotations
@@ -31,15 +30,17 @@ import triton.language as tl
 from lck_kernels._common import next_power_of_2, tuned
 from lck_kernels._cross_entropy_kernels import ce_launch_config
 from lck_kernels._cross_entropy_rows import _ce_row_grad, _ce_row_stats, _f32
+from lck_kernels._vocab_parallel_digest import (  # noqa: F401  (re-exported for the ops' agreement)
+    LIMB_BITS,
+    TARGET_FIELDS,
+    TARGET_LIMBS,
+    TARGET_OFFSET,
+    decode_target_digest,
+    target_digest,
+)
 
 STATS = 5  # m, s, q, sum_z, target_z per (row, shard)
 _M, _S, _Q, _SZ, _ZT = range(STATS)
-# The digest's integer fields are split into 16-bit limbs so that every value is exact in float32.
-LIMB_BITS = 16
-TARGET_LIMBS = 3  # target fields carry an offset of 2**47, so 3 limbs hold them
-TARGET_FIELDS = 3  # min, max and hash of the non-ignored targets
-TARGET_OFFSET = 1 << 47
-_HASH_MOD = 65521  # the largest prime below 2**16
 
 
 @triton.jit
@@ -187,32 +188,6 @@ def _vp_shard_grad_kernel(
             lse, ez, g + gl, g * smooth_keep, g * smooth_each, ge,
             BLOCK, False, SMOOTH, False, HAS_G_ENT, EVICT, NUM_STAGES, False, False,
         )  # fmt: skip
-
-
-@triton.jit
-def _vp_target_digest_kernel(
-    target_ptr, n, ignore_index, out_ptr, OFFSET: tl.constexpr, HASH_MOD: tl.constexpr, BLOCK: tl.constexpr
-):
-    # Sentinels (and clamps) at +-2**46: an empty selection decodes as min > max, and every value plus
-    # OFFSET = 2**47 stays inside 48 bits (an out-of-range target is still out of range once clamped).
-    lo = tl.full((), 1 << 46, tl.int64)
-    hi = tl.full((), -(1 << 46), tl.int64)
-    h = tl.zeros((), tl.int64)
-    for start in range(0, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        mask = idx < n
-        t = tl.load(target_ptr + idx, mask=mask, other=ignore_index).to(tl.int64)
-        valid = mask & (t != ignore_index)
-        t_c = tl.minimum(tl.maximum(t, -(1 << 46)), 1 << 46)
-        lo = tl.minimum(lo, tl.min(tl.where(valid, t_c, 1 << 46), 0))
-        hi = tl.maximum(hi, tl.max(tl.where(valid, t_c, -(1 << 46)), 0))
-        # Position-weighted, so a permutation of the same targets hashes differently.
-        term = ((t % HASH_MOD + HASH_MOD) % HASH_MOD) * ((idx.to(tl.int64) % 1021) + 1)
-        h = (h + tl.sum(tl.where(mask, term, 0), 0)) % HASH_MOD
-    for k in tl.static_range(3):
-        tl.store(out_ptr + k, (((lo + OFFSET) >> (16 * k)) & 0xFFFF).to(tl.float32))
-        tl.store(out_ptr + 3 + k, (((hi + OFFSET) >> (16 * k)) & 0xFFFF).to(tl.float32))
-        tl.store(out_ptr + 6 + k, ((h >> (16 * k)) & 0xFFFF).to(tl.float32))
 
 
 @triton.jit
@@ -373,26 +348,6 @@ def shard_grad(
         NUM_STAGES=cfg["NUM_STAGES"],
         num_warps=cfg["num_warps"],
     )
-
-
-def target_digest(target: torch.Tensor, ignore_index: int, out: torch.Tensor) -> None:
-    """Write 9 float32 limbs into ``out``: min and max of the non-ignored targets, and their hash."""
-    n = target.numel()
-    block = min(4096, next_power_of_2(max(n, 1)))
-    _vp_target_digest_kernel[(1,)](
-        target, n, ignore_index, out, OFFSET=TARGET_OFFSET, HASH_MOD=_HASH_MOD, BLOCK=block, num_warps=4
-    )
-
-
-def decode_target_digest(limbs: list[float]) -> tuple[int, int, int]:
-    """(min, max, hash) from the 9 limbs written by :func:`target_digest`; min > max when all are ignored."""
-    vals = []
-    for f in range(TARGET_FIELDS):
-        v = 0
-        for k in range(TARGET_LIMBS):
-            v |= int(limbs[f * TARGET_LIMBS + k]) << (LIMB_BITS * k)
-        vals.append(v)
-    return vals[0] - TARGET_OFFSET, vals[1] - TARGET_OFFSET, vals[2]
 
 
 def scale_(t: torch.Tensor, s: torch.Tensor) -> None:
