@@ -173,6 +173,8 @@ def test_bring_up_teams_symmetric_memory_all_reduce_finalize() -> None:
         assert o["same team for tp2"], where
         assert [label for label, _, _ in o["plan"]] == [
             "flsce.scratch",
+            "flsce[2x1].p2p",  # the one-shot all-reduce of the TP2 context (none for the teams of one)
+            "flsce[2x1].p2p_flags",
             "moe[2x1].workspace",
             "moe[2x1].signals",
         ]

@@ -1,9 +1,10 @@
-"""Time ``FlsceContext.all_reduce_`` (NVSHMEM team reduction) against NCCL ``all_reduce`` on the same GPUs.
+"""Time ``FlsceContext.all_reduce_`` (the one-shot NVLink path and NVSHMEM's team reduction) against NCCL
+``all_reduce`` on the same GPUs.
 
     python -m lck_runtime.bench_all_reduce --out DIR [--gpus 2] [--sizes 1024,65536,...] [--iters 30]
 
 Spawns one NCCL process per GPU, configures the runtime with an FLSCE section large enough for the
-largest size, and times both providers with fixed iteration counts, CUDA events, a barrier and a device-side
+largest size, and times every provider with fixed iteration counts, CUDA events, a barrier and a device-side
 meeting point before every call (``benchmarking.time_cuda``). Each record is the slowest rank's median. Writes
 ``all_reduce-<gpu>-<date>.{json,csv,png}`` under ``--out``.
 """
@@ -35,10 +36,14 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int) -> list[dict[st
             src = torch.randn(n, device="cuda")
             t = torch.empty_like(src)
             # default arguments bind this iteration's tensors
-            calls = (
-                ("lck-nvshmem" if native else "lck-torch.distributed", lambda t=t: ctx.all_reduce_(t, "sum")),
-                ("nccl", lambda t=t: dist.all_reduce(t)),
-            )
+            calls = [("nccl", lambda t=t: dist.all_reduce(t))]
+            if native:
+                calls[:0] = [
+                    ("lck-p2p", lambda t=t: ctx.all_reduce_(t, "sum", algorithm="p2p")),
+                    ("lck-nvshmem", lambda t=t: ctx.all_reduce_(t, "sum", algorithm="nvshmem")),
+                ]
+            else:
+                calls[:0] = [("lck-torch.distributed", lambda t=t: ctx.all_reduce_(t, "sum"))]
             for provider, fn in calls:
                 times = time_cuda(
                     fn,
@@ -49,13 +54,14 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int) -> list[dict[st
                     align=align,
                 )
                 rows.append({"provider": provider, "numel": n, **summarize(times)})
-            # one checked call: the two providers agree
-            a = src.clone()
-            ctx.all_reduce_(a, "sum")
+            # one checked call per lck path: it agrees with NCCL
             b = src.clone()
             dist.all_reduce(b)
-            torch.cuda.synchronize()
-            rows.append({"check": n, "max_abs_diff": float((a - b).abs().max())})
+            for algorithm in ("p2p", "nvshmem") if native else ("auto",):
+                a = src.clone()
+                ctx.all_reduce_(a, "sum", algorithm=algorithm)
+                torch.cuda.synchronize()
+                rows.append({"check": n, "algorithm": algorithm, "max_abs_diff": float((a - b).abs().max())})
     finally:
         L.finalize()
     return rows
@@ -94,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         "NVSHMEM_DISABLE_NVLS": "1",
     }
     per_rank = run_workers(_worker, args.gpus, sizes, args.iters, backend="nccl", timeout=1800, env=env)
-    records = []
+    records, checks = [], []
     for i, row in enumerate(per_rank[0]):
         if "check" in row:
             worst = max(r[i]["max_abs_diff"] for r in per_rank)
-            print(f"numel {row['check']}: lck vs NCCL max abs diff {worst:.3g}")
+            checks.append(
+                {"numel": row["check"], "algorithm": row["algorithm"], "max_abs_diff_vs_nccl": worst}
+            )
+            print(f"numel {row['check']}: lck ({row['algorithm']}) vs NCCL max abs diff {worst:.3g}")
             continue
         slowest = max(per_rank, key=lambda r: r[i]["median_ms"])[i]
         mib = row["numel"] * 4 / 2**20
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         records,
         args.out,
         stem,
-        meta={"gpus": args.gpus, "iters": args.iters},
+        meta={"gpus": args.gpus, "iters": args.iters, "checks": checks},
         plot=lambda recs, path: bar_plot(recs, path, title=f"all_reduce_ vs NCCL, {args.gpus} GPUs"),
     )
     print("wrote " + ", ".join(str(v) for v in paths.values()))

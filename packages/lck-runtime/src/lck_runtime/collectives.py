@@ -1,4 +1,11 @@
-"""The FLSCE context's in-place all-reduce: NVSHMEM team reduction when native, torch.distributed otherwise.
+"""The FLSCE context's in-place all-reduce: NVLink one-shot or NVSHMEM team reduction when native,
+torch.distributed otherwise.
+
+One-shot path (:mod:`lck_runtime.p2p`, ``algorithm="p2p"``): one kernel per receive-slot-sized chunk
+pushes the tensor to the other members' symmetric receive areas and reduces there in member order (the
+same bits on every member); bounded waits, NaN instead of a hang. ``"auto"`` takes it whenever the context
+has one (single-host teams of two or more on the NVSHMEM path) and the stream is not being captured (its
+epochs are host counters, which a replayed graph would repeat).
 
 NVSHMEM path: the tensor goes through the shared symmetric scratch in chunks of half its length
 (first half source, second half destination: NVSHMEM's reduction algorithms are not all safe in
@@ -16,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["all_reduce_", "check_all_reduce_args"]
+__all__ = ["ALGORITHMS", "all_reduce_", "check_all_reduce_args"]
 
 _OPS = ("sum", "max")
+ALGORITHMS = ("auto", "p2p", "nvshmem", "torch")
 # Where the previous native all-reduce left the shared scratch: (stream, event).
 _last_use: list[Any] = [None, None]
 
@@ -49,22 +57,47 @@ def check_all_reduce_args(ctx: Any, t: Any, op: Any) -> None:
         )
 
 
-def all_reduce_(ctx: Any, t: Any, op: str) -> Any:
+def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     """Reduce ``t`` (contiguous float32 on the configured device) over ``ctx.group`` in place; returns ``t``.
 
-    Collective over the context's group: every member calls it with the same shape and ``op``
-    (``"sum"`` or ``"max"``), in the same order relative to its other collectives on that group.
+    Collective over the context's group: every member calls it with the same shape, ``op`` (``"sum"`` or
+    ``"max"``) and ``algorithm``, in the same order relative to its other collectives on that group.
+    ``algorithm``: ``"auto"`` (default), or one path forced: ``"p2p"`` (the one-shot NVLink exchange),
+    ``"nvshmem"`` (NVSHMEM's team reduction) or ``"torch"`` (``torch.distributed.all_reduce``); forcing a
+    path the context does not have raises ``ValueError``.
     """
     check_all_reduce_args(ctx, t, op)
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"all_reduce_: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    import torch
+
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if algorithm == "p2p" and (ctx._p2p is None or capturing):
+        why = "it is being captured into a CUDA graph" if ctx._p2p is not None else _no_p2p_reason(ctx)
+        raise ValueError(f"all_reduce_: algorithm 'p2p' is not available: {why}")
+    if algorithm == "nvshmem" and not ctx.native:
+        raise ValueError(
+            "all_reduce_: algorithm 'nvshmem' needs the NVSHMEM path (lck_runtime.configure returned False)"
+        )
     if ctx.size == 1 or t.numel() == 0:
         return t
-    if ctx.native:
+    if algorithm in ("auto", "p2p") and ctx._p2p is not None and not capturing:
+        ctx._p2p(t, op)
+    elif ctx.native and algorithm != "torch":
         _nvshmem_all_reduce(ctx, t, op)
     else:
         import torch.distributed as dist
 
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.group)
     return t
+
+
+def _no_p2p_reason(ctx: Any) -> str:
+    if not ctx.native:
+        return "the context runs over torch.distributed (lck_runtime.configure returned False)"
+    if ctx.size == 1:
+        return "the group has one member"
+    return "the team spans hosts or a rank had no NVLink peer view (see configure's warning)"
 
 
 def _nvshmem_all_reduce(ctx: Any, t: Any, op: str) -> None:

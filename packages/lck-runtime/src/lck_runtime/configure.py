@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lck_runtime import nvshmem as nv
+from lck_runtime import p2p
 from lck_runtime.agreement import Domain, agree, exchange, summarize_errors
 from lck_runtime.config import FusedLinearCrossEntropyConfig, MoEConfig
 from lck_runtime.configure_checks import Request, Setup, local_request, plan_setup, resolve_device
@@ -176,8 +177,19 @@ def configure(
                 st.flsce_reserved = req.flsce
             allocated |= st.pool.scratch is None
             scratch = st.pool.ensure_scratch(st.flsce_reserved.capacity, nvs)
+            p2p_buffers = None
+            if nvs is not None and part.size > 1 and _one_host_per_group(setup, part):
+                tag = f"flsce[{part.size}x{part.stride}]"
+                slot = p2p.slot_floats(part.size, st.flsce_reserved.capacity)
+                p2p_buffers = (
+                    st.pool.reserve(f"{tag}.p2p", p2p.recv_numel(part.size, slot), "float32", nvs),
+                    st.pool.reserve(f"{tag}.p2p_flags", p2p.flags_numel(part.size), "int64", nvs),
+                    slot,
+                )
+                allocated = True
             st.flsce[part.key] = FlsceContext(
                 scratch=scratch,
+                p2p_buffers=p2p_buffers,
                 group=_group_for(st, req, req.flsce.group),
                 team=team,
                 config=req.flsce,
@@ -215,7 +227,18 @@ def configure(
             import torch
 
             torch.cuda.synchronize(st.device)
-        exchange(domain, "configure (reservations ready)", None)
+        failed = _attach_p2p(st, nvs, domain.local_rank)
+        reports = exchange(domain, "configure (reservations ready)", failed)
+        if any(reports):
+            # Every rank drops the one-shot all-reduce alike (its NVSHMEM reduction path stays).
+            for ctx in st.flsce.values():
+                ctx._p2p = None
+            warnings.warn(
+                "lck_runtime.configure: the NVLink one-shot all-reduce is off (a rank has no peer view: "
+                f"{next(r for r in reports if r)}); FLSCE contexts use NVSHMEM's team reduction",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     if not st.native and not _warned:
         _warned = True
         warnings.warn(
@@ -225,6 +248,34 @@ def configure(
             stacklevel=2,
         )
     return st.native
+
+
+def _one_host_per_group(setup: Setup, part: Any) -> bool:
+    return all(len({setup.hosts[r] for r in g}) == 1 for g in part.groups)
+
+
+def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> str | None:
+    """Build the one-shot all-reduce of every FLSCE context with fresh P2P buffers; the error text if
+    this rank cannot (no peer view), else None."""
+    for ctx in st.flsce.values():
+        if ctx._p2p_buffers is None or ctx._p2p is not None:
+            continue
+        recv, flags, slot = ctx._p2p_buffers
+        team = ctx._team
+        try:
+            ptrs = [
+                [
+                    t.tensor.data_ptr() if pe == local_rank else nvs.peer(t.tensor, pe).data_ptr()
+                    for pe in team.local
+                ]
+                for t in (recv, flags)
+            ]
+            ctx._p2p = p2p.P2PAllReduce(
+                recv.tensor, flags.tensor, ptrs[0], ptrs[1], team.local.index(local_rank), slot
+            )
+        except Exception as exc:
+            return f"bootstrap rank {local_rank}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def _label(name: str | None) -> str:

@@ -115,9 +115,14 @@ class FlsceContext(_Context):
     _kind = "FLSCE"
     _lookup = "flsce_context"
 
-    def __init__(self, *, scratch: Reservation, **kw: Any):
+    def __init__(self, *, scratch: Reservation, p2p_buffers: tuple[Any, Any, int] | None = None, **kw: Any):
         super().__init__(**kw)
         self._scratch = scratch
+        # (receive area, flags, slot floats) reserved for the one-shot all-reduce; ``_p2p`` is built from
+        # them once every rank's buffers exist (configure), or stays None (torch.distributed path, teams
+        # of one, teams spanning hosts, or a rank without peer views).
+        self._p2p_buffers = p2p_buffers
+        self._p2p: Any = None
 
     @property
     def config(self) -> FusedLinearCrossEntropyConfig:
@@ -151,12 +156,25 @@ class FlsceContext(_Context):
                     f"configure a larger {field} (process-wide capacities are reserved by the first configure)"
                 )
 
-    def all_reduce_(self, t: Any, op: str) -> Any:
+    def all_reduce_(self, t: Any, op: str, *, algorithm: str = "auto") -> Any:
         """In-place all-reduce of ``t`` over the group; see :func:`lck_runtime.collectives.all_reduce_`."""
         from lck_runtime.collectives import all_reduce_
 
         self._check()
-        return all_reduce_(self, t, op)
+        return all_reduce_(self, t, op, algorithm=algorithm)
+
+    @property
+    def p2p(self) -> bool:
+        """True when ``all_reduce_`` can use the one-shot NVLink exchange (see :mod:`lck_runtime.p2p`)."""
+        self._check()
+        return self._p2p is not None
+
+    def check_collectives(self) -> None:
+        """Synchronize and raise ``BarrierError`` if a one-shot all-reduce of this context timed out
+        waiting for a peer (its output was filled with NaN instead of hanging); no-op otherwise."""
+        self._check()
+        if self._p2p is not None:
+            self._p2p.check()
 
     @property
     def scratch(self) -> Any:

@@ -98,7 +98,9 @@ def destroy_team(group: Any = None) -> None:
         if ctx is None:
             continue
         ctx._invalidate(why)
-        for res in (getattr(ctx, "_workspace", None), getattr(ctx, "_signals", None)):
+        own = [getattr(ctx, "_workspace", None), getattr(ctx, "_signals", None)]
+        own += list((getattr(ctx, "_p2p_buffers", None) or (None, None, 0))[:2])
+        for res in own:
             if res is not None:
                 st.pool.release(res, nvs)
     st.teams.destroy(key, nvs)

@@ -1,0 +1,211 @@
+"""The one-shot NVLink all-reduce (``lck_runtime.p2p``) and ``all_reduce_``'s algorithm choice.
+
+CPU: the sizing rules, the kernel compiling for every supported architecture, and the algorithm
+argument refused with the reason on the torch.distributed path. Two H200s: the one-shot path against a
+float64 reference and NCCL (sums, maxima, odd sizes, unaligned tensors, several slots per call), the
+same bits on both ranks, back-to-back calls with fresh data on two streams, and a peer that never
+arrives: NaN and a diagnostic instead of a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lck_runtime import p2p
+from lck_runtime.testing import run_workers
+
+NVSHMEM_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "LCK_SETUP_TIMEOUT": "120",
+}
+SEED = 20261201
+
+
+def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "<no error>"
+
+
+def test_sizing_rules() -> None:
+    # A capacity that fits the 64 MiB receive area is kept (rounded up to whole 4 KiB slots) ...
+    assert p2p.slot_floats(2, 1000) == 1024 and p2p.slot_floats(2, 4096) == 4096
+    # ... a larger one is cut to the area: 2 parities x 2 members x 4 Mi floats = 64 MiB at TP2.
+    assert p2p.slot_floats(2, 8192 * 4096) == 4 << 20
+    assert p2p.recv_numel(2, 4 << 20) * 4 == p2p.BUFFER_BYTES
+    assert p2p.slot_floats(8, 8192 * 4096) == 1 << 20
+    for size in (2, 3, 4, 8, 64):
+        slot = p2p.slot_floats(size, 1 << 30)
+        assert slot % p2p.SLOT_ALIGN == 0 and p2p.recv_numel(size, slot) * 4 <= p2p.BUFFER_BYTES
+    assert p2p.flags_numel(4) == 4 * p2p.MAX_BLOCKS
+    # Blocks depend on the element count only (every member launches the same grid).
+    assert [p2p.blocks_for(n) for n in (1, 8192, 8193, 10**9)] == [1, 1, 2, p2p.MAX_BLOCKS]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kernel_compiles(tmp_path, arch: str) -> None:
+    from lck_runtime.jit import Jit
+
+    path = p2p.compile_kernel(arch, Jit(cache_dir=tmp_path))
+    assert path.is_file() and path.stat().st_size > 0
+
+
+def _cpu_algorithms(rank: int, world: int) -> dict[str, str]:
+    import torch
+
+    import lck_runtime as L
+
+    L.configure(flsce=L.FusedLinearCrossEntropyConfig(16, 8, 32))
+    ctx = L.flsce_context()
+    try:
+        t = torch.full((8,), float(rank + 1))
+        out = {"p2p flag": str(ctx.p2p)}
+        for algorithm in ("p2p", "nvshmem", "fast", 3):
+            out[str(algorithm)] = _err(ctx.all_reduce_, t, "sum", algorithm=algorithm)
+        ctx.all_reduce_(t, "sum", algorithm="torch")
+        out["torch"] = str(t.tolist())
+        ctx.check_collectives()  # nothing to check on this path: returns
+        return out
+    finally:
+        L.finalize()
+
+
+def test_algorithm_choice_is_checked_on_the_torch_distributed_path() -> None:
+    for o in run_workers(_cpu_algorithms, 2, env={"LCK_DISABLE_NVSHMEM": "1"}):
+        assert o["p2p flag"] == "False"
+        assert o["p2p"] == (
+            "ValueError: all_reduce_: algorithm 'p2p' is not available: the context runs over "
+            "torch.distributed (lck_runtime.configure returned False)"
+        )
+        assert o["nvshmem"].startswith("ValueError: all_reduce_: algorithm 'nvshmem' needs the NVSHMEM path")
+        assert o["fast"] == (
+            "ValueError: all_reduce_: algorithm must be one of ('auto', 'p2p', 'nvshmem', 'torch'), got 'fast'"
+        )
+        assert o["3"].startswith("ValueError: all_reduce_: algorithm must be one of")
+        assert o["torch"] == str([3.0] * 8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two GPUs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rand(rank: int, case: int, numel: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 7919 * case + rank)
+    return (torch.randn(numel, generator=g, dtype=torch.float32) * 4.0).cuda()
+
+
+def _two_gpus(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import lck_runtime as L
+
+    out: dict[str, Any] = {}
+    # capacity 4 * 8192 = 32768 floats: one slot of 32768 at TP2 (the area allows far more)
+    native = L.configure(flsce=L.FusedLinearCrossEntropyConfig(4096, 8, 16))
+    try:
+        ctx = L.flsce_context()
+        out["native, p2p, slot"] = (native, ctx.p2p, ctx._p2p.slot if ctx.p2p else None)
+        worst: dict[str, float] = {}
+        same_bits = True
+        case = 0
+        # odd sizes, a size that is not a multiple of 4, sizes spanning 1, 2 and 128 blocks, the capacity
+        for numel in (1, 3, 1000, 8191, 8193, 65536 // 4 + 5, ctx.capacity):
+            for op in ("sum", "max"):
+                # offset 1: a tensor 4 bytes off 16-byte alignment (scalar path); (0, 1): the ranks take
+                # different paths over the same block ranges.
+                for offsets in ((0, 0), (1, 1), (0, 1)):
+                    case += 1
+                    t = _rand(rank, case, numel + offsets[rank])[offsets[rank] :]
+                    ref = torch.stack(
+                        [_rand(r, case, numel + offsets[r])[offsets[r] :].double() for r in range(world)]
+                    )
+                    ref = ref.sum(0) if op == "sum" else ref.amax(0)
+                    peer = t.clone()
+                    ctx.all_reduce_(t, op, algorithm="p2p")
+                    dist.all_reduce(peer, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+                    key = f"{op}"
+                    worst[key] = max(worst.get(key, 0.0), float((t.double() - ref).abs().max()))
+                    worst["vs nccl " + key] = max(
+                        worst.get("vs nccl " + key, 0.0), float((t - peer).abs().max())
+                    )
+                    both = [torch.empty_like(t) for _ in range(world)]
+                    dist.all_gather(both, t)
+                    same_bits &= all(torch.equal(both[0], b) for b in both[1:])
+        out["worst"], out["same bits on both ranks"] = worst, same_bits
+        # Several slots in one call: a context whose slot is smaller than its capacity.
+        ctx._p2p.slot, saved = 4096, ctx._p2p.slot
+        case += 1
+        t = _rand(rank, case, 3 * 4096 + 12)
+        ref = _rand(0, case, t.numel()).double() + _rand(1, case, t.numel()).double()
+        ctx.all_reduce_(t, "sum", algorithm="p2p")
+        out["chunked"] = float((t.double() - ref).abs().max())
+        ctx._p2p.slot = saved
+        # Back to back, fresh data every call, alternating sizes and two streams (the receive area's two
+        # parities are reused every other call).
+        side = torch.cuda.Stream()
+        fails = 0
+        for i in range(200):
+            case += 1
+            numel = (1000, 40000, 7)[i % 3]
+            t = _rand(rank, case, numel)
+            ref = _rand(0, case, numel).double() + _rand(1, case, numel).double()
+            stream = side if i % 5 == 4 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                ctx.all_reduce_(t, "sum")  # auto: the one-shot path
+            torch.cuda.current_stream().wait_stream(stream)
+            fails += int(float((t.double() - ref).abs().max()) > 1e-4)
+        out["back to back failures"] = fails
+        ctx.check_collectives()
+        out["auto vs nvshmem"] = _err(
+            ctx.all_reduce_, torch.ones(8, device="cuda"), "sum", algorithm="nvshmem"
+        )
+        # A peer that never arrives: rank 1 skips a call; rank 0 times out, gets NaN, and check raises.
+        ctx._p2p.timeout_ns = int(2e9)
+        dist.barrier()
+        if rank == 0:
+            t = torch.ones(5000, device="cuda")
+            ctx.all_reduce_(t, "sum", algorithm="p2p")
+            torch.cuda.synchronize()
+            out["skipped peer: all NaN"] = bool(torch.isnan(t).all())
+            out["skipped peer: check"] = _err(ctx.check_collectives)
+            # Broken for good: the next call fails fast (NaN at once), not after another timeout.
+            t = torch.ones(8, device="cuda")
+            ctx.all_reduce_(t, "sum", algorithm="p2p")
+            torch.cuda.synchronize()
+            out["after failure"] = bool(torch.isnan(t).all())
+        dist.barrier()
+    finally:
+        L.finalize()
+    return out
+
+
+@pytest.mark.multigpu(2)
+def test_one_shot_all_reduce_on_two_gpus() -> None:
+    outs = run_workers(_two_gpus, 2, backend="nccl", timeout=240, env=NVSHMEM_ENV)
+    for rank, o in enumerate(outs):
+        where = f"rank {rank}: {o}"
+        assert o["native, p2p, slot"] == (True, True, 32768), where
+        w = o["worst"]
+        assert w["max"] == 0.0 and w["vs nccl max"] == 0.0, where
+        assert w["sum"] <= 1e-5 and w["vs nccl sum"] <= 1e-5, where  # two fp32 addends: at most one rounding
+        assert o["same bits on both ranks"], where
+        assert o["chunked"] <= 1e-5, where
+        assert o["back to back failures"] == 0, where
+        assert o["auto vs nvshmem"] == "<no error>", where
+    o = outs[0]
+    assert o["skipped peer: all NaN"] is True, o
+    assert o["skipped peer: check"].startswith("BarrierError: member 0: team barrier timed out"), o
+    assert "team member 1" in o["skipped peer: check"], o
+    assert o["after failure"] is True, o
