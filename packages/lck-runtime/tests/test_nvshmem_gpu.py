@@ -175,6 +175,7 @@ def test_bring_up_teams_symmetric_memory_all_reduce_finalize() -> None:
             "flsce.scratch",
             "flsce[2x1].p2p",  # the one-shot all-reduce of the TP2 context (none for the teams of one)
             "flsce[2x1].p2p_flags",
+            "flsce[2x1].p2p_ll",
             "moe[2x1].workspace",
             "moe[2x1].signals",
         ]

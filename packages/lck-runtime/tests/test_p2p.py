@@ -1,14 +1,16 @@
 """The one-shot NVLink all-reduce (``lck_runtime.p2p``) and ``all_reduce_``'s algorithm choice.
 
-CPU: the sizing rules, the kernel compiling for every supported architecture, and the algorithm
-argument refused with the reason on the torch.distributed path. Two H200s: the one-shot path against a
-float64 reference and NCCL (sums, maxima, odd sizes, unaligned tensors, several slots per call), the
-same bits on both ranks, back-to-back calls with fresh data on two streams, and a peer that never
-arrives: NaN and a diagnostic instead of a hang.
+CPU: the sizing rules, both kernels compiling for every supported architecture, and the algorithm
+argument refused with the reason on the torch.distributed path. Two H200s: both kernels (the standard
+one and the low-latency one) against a float64 reference and NCCL (sums, maxima, odd sizes, unaligned
+tensors, one rank aligned and the other not, several slots per call), the same bits on both ranks,
+back-to-back calls of both kinds with fresh data on two streams, and a peer that never arrives: NaN and
+a diagnostic instead of a hang.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -43,17 +45,18 @@ def test_sizing_rules() -> None:
     for size in (2, 3, 4, 8, 64):
         slot = p2p.slot_floats(size, 1 << 30)
         assert slot % p2p.SLOT_ALIGN == 0 and p2p.recv_numel(size, slot) * 4 <= p2p.BUFFER_BYTES
-    assert p2p.flags_numel(4) == 4 * p2p.MAX_BLOCKS
+    assert p2p.flags_numel(4) == 4 * p2p.MAX_BLOCKS and p2p.ll_numel(4) == 2 * 4 * p2p.LL_SLOT
     # Blocks depend on the element count only (every member launches the same grid).
     assert [p2p.blocks_for(n) for n in (1, 8192, 8193, 10**9)] == [1, 1, 2, p2p.MAX_BLOCKS]
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("kernel", [p2p.KERNEL, p2p.KERNEL_LL])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_kernel_compiles(tmp_path, arch: str) -> None:
+def test_kernel_compiles(tmp_path, arch: str, kernel: str) -> None:
     from lck_runtime.jit import Jit
 
-    path = p2p.compile_kernel(arch, Jit(cache_dir=tmp_path))
+    path = p2p.compile_kernel(arch, Jit(cache_dir=tmp_path), kernel)
     assert path.is_file() and path.stat().st_size > 0
 
 
@@ -120,7 +123,11 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
         same_bits = True
         case = 0
         # odd sizes, a size that is not a multiple of 4, sizes spanning 1, 2 and 128 blocks, the capacity
-        for numel in (1, 3, 1000, 8191, 8193, 65536 // 4 + 5, ctx.capacity):
+        # ll_max 0: every call takes the standard kernel; otherwise these sizes take the low-latency one
+        for numel, ll_max in itertools.product(
+            (1, 3, 1000, 8191, 8193, 65536 // 4 + 5, ctx.capacity), (p2p.LL_SLOT, 0)
+        ):
+            ctx._p2p.ll_max = ll_max
             for op in ("sum", "max"):
                 # offset 1: a tensor 4 bytes off 16-byte alignment (scalar path); (0, 1): the ranks take
                 # different paths over the same block ranges.
@@ -144,7 +151,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
                     same_bits &= all(torch.equal(both[0], b) for b in both[1:])
         out["worst"], out["same bits on both ranks"] = worst, same_bits
         # Several slots in one call: a context whose slot is smaller than its capacity.
-        ctx._p2p.slot, saved = 4096, ctx._p2p.slot
+        ctx._p2p.slot, saved, ctx._p2p.ll_max = 4096, ctx._p2p.slot, 0
         case += 1
         t = _rand(rank, case, 3 * 4096 + 12)
         ref = _rand(0, case, t.numel()).double() + _rand(1, case, t.numel()).double()
@@ -153,11 +160,14 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
         ctx._p2p.slot = saved
         # Back to back, fresh data every call, alternating sizes and two streams (the receive area's two
         # parities are reused every other call).
+        # 1000 and 7 floats take the low-latency kernel, 30000 the standard one: the two kinds interleave
+        # over one epoch counter.
+        ctx._p2p.ll_max = 5000
         side = torch.cuda.Stream()
         fails = 0
         for i in range(200):
             case += 1
-            numel = (1000, 40000, 7)[i % 3]
+            numel = (1000, 30000, 7)[i % 3]
             t = _rand(rank, case, numel)
             ref = _rand(0, case, numel).double() + _rand(1, case, numel).double()
             stream = side if i % 5 == 4 else torch.cuda.current_stream()
@@ -180,7 +190,9 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
             torch.cuda.synchronize()
             out["skipped peer: all NaN"] = bool(torch.isnan(t).all())
             out["skipped peer: check"] = _err(ctx.check_collectives)
-            # Broken for good: the next call fails fast (NaN at once), not after another timeout.
+            # Broken for good: the next call (standard kernel) fails fast (NaN at once), not after another
+            # timeout.
+            ctx._p2p.ll_max = 0
             t = torch.ones(8, device="cuda")
             ctx.all_reduce_(t, "sum", algorithm="p2p")
             torch.cuda.synchronize()

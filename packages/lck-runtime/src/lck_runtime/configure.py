@@ -184,6 +184,7 @@ def configure(
                 p2p_buffers = (
                     st.pool.reserve(f"{tag}.p2p", p2p.recv_numel(part.size, slot), "float32", nvs),
                     st.pool.reserve(f"{tag}.p2p_flags", p2p.flags_numel(part.size), "int64", nvs),
+                    st.pool.reserve(f"{tag}.p2p_ll", p2p.ll_numel(part.size), "int64", nvs),
                     slot,
                 )
                 allocated = True
@@ -260,7 +261,7 @@ def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> str | None:
     for ctx in st.flsce.values():
         if ctx._p2p_buffers is None or ctx._p2p is not None:
             continue
-        recv, flags, slot = ctx._p2p_buffers
+        *buffers, slot = ctx._p2p_buffers  # receive area, flags, low-latency area
         team = ctx._team
         try:
             ptrs = [
@@ -268,11 +269,10 @@ def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> str | None:
                     t.tensor.data_ptr() if pe == local_rank else nvs.peer(t.tensor, pe).data_ptr()
                     for pe in team.local
                 ]
-                for t in (recv, flags)
+                for t in buffers
             ]
-            ctx._p2p = p2p.P2PAllReduce(
-                recv.tensor, flags.tensor, ptrs[0], ptrs[1], team.local.index(local_rank), slot
-            )
+            tensors = [t.tensor for t in buffers]
+            ctx._p2p = p2p.P2PAllReduce(*tensors, *ptrs, team.local.index(local_rank), slot)
         except Exception as exc:
             return f"bootstrap rank {local_rank}: {type(exc).__name__}: {exc}"
     return None

@@ -115,10 +115,10 @@ class FlsceContext(_Context):
     _kind = "FLSCE"
     _lookup = "flsce_context"
 
-    def __init__(self, *, scratch: Reservation, p2p_buffers: tuple[Any, Any, int] | None = None, **kw: Any):
+    def __init__(self, *, scratch: Reservation, p2p_buffers: tuple[Any, ...] | None = None, **kw: Any):
         super().__init__(**kw)
         self._scratch = scratch
-        # (receive area, flags, slot floats) reserved for the one-shot all-reduce; ``_p2p`` is built from
+        # (receive area, flags, low-latency area, slot floats) reserved for the one-shot all-reduce; ``_p2p`` is built from
         # them once every rank's buffers exist (configure), or stays None (torch.distributed path, teams
         # of one, teams spanning hosts, or a rank without peer views).
         self._p2p_buffers = p2p_buffers

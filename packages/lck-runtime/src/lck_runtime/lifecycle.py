@@ -99,7 +99,7 @@ def destroy_team(group: Any = None) -> None:
             continue
         ctx._invalidate(why)
         own = [getattr(ctx, "_workspace", None), getattr(ctx, "_signals", None)]
-        own += list((getattr(ctx, "_p2p_buffers", None) or (None, None, 0))[:2])
+        own += list((getattr(ctx, "_p2p_buffers", None) or (0,))[:-1])  # the reservations, not the slot
         for res in own:
             if res is not None:
                 st.pool.release(res, nvs)

@@ -22,13 +22,15 @@ from lck_runtime.jit import I32, I64, U64, Jit, Kernel
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "p2p_all_reduce.cu"
 KERNEL = "lck_p2p_all_reduce"
+KERNEL_LL = "lck_p2p_all_reduce_ll"
+LL_SLOT = 128 * 1024  # floats up to which a call takes the low-latency form (8-byte words with the epoch)
 MAX_BLOCKS = 128  # flag words per member (MAX_BLOCKS in the kernel)
 THREADS = 512
 MIN_PER_BLOCK = 8192  # floats per block before another block is worth its flag round trip
 BUFFER_BYTES = 64 << 20  # receive area per context (both parities, all slots)
 SLOT_ALIGN = 1024  # floats: slots stay 4 KiB aligned
 
-_kernels: dict[str, Kernel] = {}
+_kernels: dict[tuple[str, str], Kernel] = {}
 _lock = threading.Lock()
 
 
@@ -47,20 +49,25 @@ def flags_numel(team_size: int) -> int:
     return team_size * MAX_BLOCKS
 
 
-def compile_kernel(arch: str, jit: Jit | None = None) -> Path:
-    """Compile (or find cached) the cubin for ``arch`` without a GPU; returns its path."""
-    return (jit or Jit(prefix="LCK")).compile_only(KERNEL, SOURCE.read_text(), KERNEL, arch=arch)
+def ll_numel(team_size: int) -> int:
+    """8-byte words of the low-latency receive area: 2 parities x members x ``LL_SLOT``."""
+    return 2 * team_size * LL_SLOT
 
 
-def _kernel() -> Kernel:
+def compile_kernel(arch: str, jit: Jit | None = None, kernel: str = KERNEL) -> Path:
+    """Compile (or find cached) one of the two cubins for ``arch`` without a GPU; returns its path."""
+    return (jit or Jit(prefix="LCK")).compile_only(kernel, SOURCE.read_text(), kernel, arch=arch)
+
+
+def _kernel(name: str) -> Kernel:
     from lck_runtime.jit import detect_arch
 
     arch = detect_arch()
     with _lock:
-        k = _kernels.get(arch)
+        k = _kernels.get((name, arch))
         if k is None:
-            k = Jit(prefix="LCK").build(KERNEL, SOURCE.read_text(), KERNEL, arch=arch)
-            _kernels[arch] = k
+            k = Jit(prefix="LCK").build(name, SOURCE.read_text(), name, arch=arch)
+            _kernels[(name, arch)] = k
         return k
 
 
@@ -72,17 +79,21 @@ def blocks_for(n: int) -> int:
 class P2PAllReduce:
     """The one-shot all-reduce of one team. Construct on every member with the same team.
 
-    ``recv`` / ``flags``: this member's symmetric receive area (float32, :func:`recv_numel`) and flag
-    array (int64, :func:`flags_numel`), zeroed; ``recv_ptrs`` / ``flag_ptrs``: every member's copy of
-    each, as mapped in this process, in team order; ``me``: this member's index.
+    ``recv`` / ``flags`` / ``ll``: this member's symmetric receive area (float32, :func:`recv_numel`),
+    flag array (int64, :func:`flags_numel`) and low-latency area (int64, :func:`ll_numel`), zeroed;
+    ``recv_ptrs`` / ``flag_ptrs`` / ``ll_ptrs``: every member's copy of each, as mapped in this process,
+    in team order; ``me``: this member's index. Calls of at most ``ll_max`` floats (default
+    ``LL_SLOT``) take the low-latency kernel.
     """
 
     def __init__(
         self,
         recv: Any,
         flags: Any,
+        ll: Any,
         recv_ptrs: Sequence[int],
         flag_ptrs: Sequence[int],
+        ll_ptrs: Sequence[int],
         me: int,
         slot: int,
         *,
@@ -91,20 +102,29 @@ class P2PAllReduce:
         import torch
 
         n = len(recv_ptrs)
-        if len(flag_ptrs) != n or not 0 <= me < n or n > THREADS:
+        if len(flag_ptrs) != n or len(ll_ptrs) != n or not 0 <= me < n or n > THREADS:
             raise ValueError(
                 f"P2PAllReduce: {len(recv_ptrs)} receive and {len(flag_ptrs)} flag addresses, member {me}: "
                 f"expected equal counts (at most {THREADS}) and 0 <= me < count"
             )
-        if slot < 1 or slot % 4 or recv.numel() != recv_numel(n, slot) or flags.numel() != flags_numel(n):
+        if (
+            slot < 1
+            or slot % 4
+            or recv.numel() != recv_numel(n, slot)
+            or flags.numel() != flags_numel(n)
+            or ll.numel() != ll_numel(n)
+        ):
             raise ValueError(
                 f"P2PAllReduce: slot {slot} (a positive multiple of 4), receive area {recv.numel()} "
-                f"(want {recv_numel(n, slot)}) and flags {flags.numel()} (want {flags_numel(n)}) do not fit"
+                f"(want {recv_numel(n, slot)}), flags {flags.numel()} (want {flags_numel(n)}) and "
+                f"low-latency area {ll.numel()} (want {ll_numel(n)}) do not fit"
             )
         self.recv, self.flags, self.me, self.size, self.slot = recv, flags, me, n, slot
         dev = recv.device
         self.peers = torch.tensor(list(recv_ptrs), dtype=torch.int64, device=dev)
         self.flag_table = torch.tensor(list(flag_ptrs), dtype=torch.int64, device=dev)
+        self.ll_peers = torch.tensor(list(ll_ptrs), dtype=torch.int64, device=dev)
+        self.ll, self.ll_max = ll, LL_SLOT
         self.status = torch.zeros(5, dtype=torch.int64, device=dev)
         self.timeout_ns = int(timeout_s * 1e9)
         self.epoch = 0
@@ -120,7 +140,29 @@ class P2PAllReduce:
             # Another stream's call may still read the receive area this one is about to refill.
             stream.wait_event(last_event)
         flat = t.view(-1)
-        kernel = _kernel()
+        if flat.numel() <= self.ll_max:
+            self.epoch += 1
+            threads = 256
+            _kernel(KERNEL_LL).launch(
+                max(1, min(MAX_BLOCKS, -(-flat.numel() // threads))),
+                threads,
+                [
+                    flat,
+                    I64(flat.numel()),
+                    self.ll_peers,
+                    I32(self.size),
+                    I32(self.me),
+                    I64(LL_SLOT),
+                    U64(self.epoch),
+                    I32(1 if op == "max" else 0),
+                    U64(self.timeout_ns),
+                    self.status,
+                ],
+                stream=stream,
+            )
+            self._record(stream)
+            return
+        kernel = _kernel(KERNEL)
         for off in range(0, flat.numel(), self.slot):
             part = flat[off : off + self.slot]
             n = part.numel()
@@ -145,6 +187,11 @@ class P2PAllReduce:
                 ],
                 stream=stream,
             )
+        self._record(stream)
+
+    def _record(self, stream: Any) -> None:
+        import torch
+
         event = torch.cuda.Event()
         event.record(stream)
         self._last = (stream, event)

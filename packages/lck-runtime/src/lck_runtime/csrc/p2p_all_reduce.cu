@@ -149,3 +149,69 @@ extern "C" __global__ void lck_p2p_all_reduce(float* t, long long n, const unsig
     }
   }
 }
+
+// Low-latency form for small tensors (n <= ll_slot): no fence and no separate flag. Every element travels
+// to each other member as one 8-byte store {value bits, epoch}, which lands whole; the receiver polls each
+// word until its epoch matches, so one NVLink crossing replaces a store, a system fence and a flag round
+// trip. It has its own receive area (2 parities x n_members x ll_slot words of 8 bytes), written only by
+// this kernel, so a stale word can only hold an older epoch. Ranges and the two parities as above; a
+// member that waits too long records the diagnostic and poisons its output.
+extern "C" __global__ void lck_p2p_all_reduce_ll(float* t, long long n, const unsigned long long* peers,
+                                                 int team_size, int me, long long ll_slot,
+                                                 unsigned long long epoch, int op_max,
+                                                 unsigned long long timeout_ns, long long* status) {
+  const unsigned int tag = static_cast<unsigned int>(epoch);
+  const long long parity_off = static_cast<long long>(epoch & 1ull) * team_size * ll_slot;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = (*reinterpret_cast<volatile long long*>(status) != 0);
+  __syncthreads();
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (failed) {
+    for (long long i = first; i < n; i += stride) t[i] = __int_as_float(0x7fc00000);
+    return;
+  }
+  for (long long i = first; i < n; i += stride) {
+    const unsigned long long word =
+        (static_cast<unsigned long long>(tag) << 32) | static_cast<unsigned int>(__float_as_int(t[i]));
+    for (int m = 0; m < team_size; ++m) {
+      if (m == me) continue;
+      volatile unsigned long long* dst = reinterpret_cast<volatile unsigned long long*>(peers[m]) + parity_off +
+                                         static_cast<long long>(me) * ll_slot + i;
+      *dst = word;
+    }
+  }
+  const volatile unsigned long long* recv = reinterpret_cast<const volatile unsigned long long*>(peers[me]) + parity_off;
+  for (long long i = first; i < n; i += stride) {
+    const float mine = t[i];
+    float acc = 0.0f;
+    bool ok = true;
+    for (int r = 0; r < team_size; ++r) {
+      float v = mine;
+      if (r != me) {
+        const volatile unsigned long long* p = recv + static_cast<long long>(r) * ll_slot + i;
+        unsigned long long w = *p;
+        if (static_cast<unsigned int>(w >> 32) != tag) {
+          const unsigned long long start = globaltimer_ns();
+          while (static_cast<unsigned int>(w >> 32) != tag) {
+            const unsigned long long waited = globaltimer_ns() - start;
+            if (waited > timeout_ns) {
+              record(status, 1, r, w >> 32, epoch, waited);
+              ok = false;
+              break;
+            }
+            if (*reinterpret_cast<volatile long long*>(status) != 0) {
+              ok = false;
+              break;
+            }
+            w = *p;
+          }
+        }
+        v = __int_as_float(static_cast<int>(w & 0xffffffffull));
+      }
+      acc = (r == 0) ? v : combine(acc, v, op_max);
+      if (!ok) break;
+    }
+    t[i] = ok ? acc : __int_as_float(0x7fc00000);
+  }
+}
