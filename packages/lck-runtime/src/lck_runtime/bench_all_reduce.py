@@ -16,7 +16,7 @@ import datetime as _dt
 import sys
 from typing import Any
 
-DEFAULT_SIZES = (1024, 65536, 1 << 20, 8 << 20, 32 << 20)  # fp32 elements; 32 Mi = 128 MiB
+DEFAULT_SIZES = (1024, 65536, 131072, 262144, 1 << 20, 8 << 20, 32 << 20)  # fp32; 32 Mi = 128 MiB
 
 
 def _worker(rank: int, world: int, sizes: list[int], iters: int) -> list[dict[str, Any]]:
