@@ -86,6 +86,8 @@ def _targets(records: list[Any], tp: int, tokens: int, hidden: int, vocab: int) 
                 peer = LIGER_CUTE_TP2[mode]
                 out[f"vs_liger_cute_{mode}"] = {
                     "provider": r.provider,
+                    "chunk_mib": r.extra.get("chunk_mib"),  # the fastest chunk budget timed, and its memory
+                    "peak_mib": r.peak_mib,
                     "value_ms": r.median_ms,
                     "peer_ms": peer,
                     "met": r.median_ms < peer,
