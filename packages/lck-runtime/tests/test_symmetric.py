@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from lck_runtime.p2p import LL_SLOT
 from lck_runtime.symmetric import SymmetricPool
 from lck_runtime.testing import run_workers
 
@@ -127,14 +128,24 @@ def test_every_rank_issues_the_same_collective_sequence() -> None:
     scratch = ("alloc", 128, "torch.float32")
     ep_ws, ep_sig = ("alloc", 2 * 8 * 64, "torch.uint8"), ("alloc", 64, "torch.int64")
     solo_ws, solo_sig = ("alloc", 8 * 64, "torch.uint8"), ("alloc", 32, "torch.int64")
+    # The one-shot all-reduce of each FLSCE context of two members: receive area (2 parities x 2 members x
+    # one 1024-float slot), flags (2 members x 128 blocks), low-latency area (2 x 2 x LL_SLOT words).
+    p2p = [
+        ("alloc", 2 * 2 * 1024, "torch.float32"),
+        ("alloc", 2 * 128, "torch.int64"),
+        ("alloc", 2 * 2 * LL_SLOT, "torch.int64"),
+    ]
+    p2p_free = [("free", n, dtype) for _, n, dtype in p2p]
     expected = [
-        *tp_splits, scratch, *ep_splits, ep_ws, ep_sig,  # first configure: flsce(tp), moe(ep)
-        *solo_splits, solo_ws, solo_sig,  # second: flsce(ep) reuses team and scratch; moe(solo)
-        ("free", 2 * 8 * 64, "torch.uint8"), ("free", 64, "torch.int64"), ("destroy_team",),  # destroy ep
+        *tp_splits, scratch, *p2p, *ep_splits, ep_ws, ep_sig,  # first configure: flsce(tp), moe(ep)
+        *p2p, *solo_splits, solo_ws, solo_sig,  # second: flsce(ep) reuses team and scratch; moe(solo)
+        *p2p_free, ("free", 2 * 8 * 64, "torch.uint8"), ("free", 64, "torch.int64"),  # destroy ep: flsce, moe
+        ("destroy_team",),
         *ep_splits, ep_ws, ep_sig,  # moe(ep) again
         ("free", 64, "torch.int64"), ("free", 2 * 8 * 64, "torch.uint8"),  # clear_pool, newest first
-        ("free", 32, "torch.int64"), ("free", 8 * 64, "torch.uint8"), ("free", 128, "torch.float32"),
-        ("alloc", 256, "torch.float32"),  # a larger scratch after the clear
+        ("free", 32, "torch.int64"), ("free", 8 * 64, "torch.uint8"),
+        *reversed(p2p_free), ("free", 128, "torch.float32"),
+        ("alloc", 256, "torch.float32"),  # a larger scratch after the clear (solo: no one-shot buffers)
         ("free", 256, "torch.float32"), ("destroy_team",), ("destroy_team",), ("destroy_team",), ("finalize",),
     ]  # fmt: skip
     assert calls == expected
