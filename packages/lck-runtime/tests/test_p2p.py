@@ -95,6 +95,45 @@ def test_algorithm_choice_is_checked_on_the_torch_distributed_path() -> None:
         assert o["torch"] == str([3.0] * 8)
 
 
+def _peerless_rank(rank: int, world: int) -> dict[str, Any]:
+    import warnings
+
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_runtime import fake_nvshmem
+
+    fake_nvshmem.install(rank, world, peer_fails=rank == 1)  # the native path's bookkeeping on CPU
+    F = L.FusedLinearCrossEntropyConfig
+    pair = dist.new_group([0, 1])
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["native"] = L.configure(process_groups={"pair": pair}, flsce=F(16, 8, 8, group="pair"))
+    out["warnings"] = [str(w.message) for w in caught if "one-shot" in str(w.message)]
+    ctx = L.flsce_context("pair")
+    out["p2p after"] = ctx.p2p
+    # A later configure (a new name for the same members) does not try again: the context's epochs are
+    # not restarted behind the other ranks' backs.
+    L.configure(process_groups={"again": pair}, flsce=F(16, 8, 8, group="again"))
+    out["p2p after again"] = (L.flsce_context("again") is ctx, ctx.p2p)
+    out["forced"] = _err(ctx.all_reduce_, __import__("torch").ones(4), "sum", algorithm="p2p")
+    L.finalize()
+    return out
+
+
+def test_a_rank_without_peer_views_turns_the_one_shot_path_off_everywhere() -> None:
+    for rank, o in enumerate(run_workers(_peerless_rank, 2)):
+        where = f"rank {rank}: {o}"
+        assert o["native"] is True, where
+        assert len(o["warnings"]) == 1, where
+        assert "bootstrap rank 1: RuntimeError: no load/store view of PE 0 (simulated)" in o["warnings"][0], (
+            where
+        )
+        assert o["p2p after"] is False and o["p2p after again"] == (True, False), where
+        assert o["forced"].startswith("ValueError: all_reduce_: algorithm 'p2p' is not available"), where
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Two GPUs
 # ---------------------------------------------------------------------------------------------------------

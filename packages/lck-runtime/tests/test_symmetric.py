@@ -42,52 +42,14 @@ def test_pool_reuse_release_and_order() -> None:
         pool.reserve("x", 0, "uint8", None)
 
 
-class _Recorder:
-    """Stands in for NvshmemOwner and records the collective calls one rank makes."""
-
-    def __init__(self, rank: int, n: int) -> None:
-        self.my_pe, self.n_pes, self.alive, self.applied_env = rank, n, True, {}
-        self.calls: list[tuple] = []
-        self._next = 100
-
-    def split_strided(self, start: int, stride: int, size: int) -> int | None:
-        self.calls.append(("split", start, stride, size))
-        self._next += 1
-        return self._next if self.my_pe in range(start, start + stride * size, stride) else None
-
-    def destroy_team(self, handle: int) -> None:
-        self.calls.append(("destroy_team",))
-
-    def alloc(self, numel: int, dtype: Any) -> Any:
-        import torch
-
-        self.calls.append(("alloc", numel, str(dtype)))
-        return torch.zeros(numel, dtype=dtype)
-
-    def free(self, t: Any) -> None:
-        self.calls.append(("free", t.numel(), str(t.dtype)))
-
-    def peer(self, t: Any, pe: int) -> Any:
-        return t
-
-    def finalize(self) -> None:
-        self.calls.append(("finalize",))
-        self.alive = False
-
-
 def _order(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import lck_runtime as L
-    from lck_runtime import nvshmem as nv
+    from lck_runtime import fake_nvshmem
     from lck_runtime.state import STATE
 
-    rec = _Recorder(rank, world)
-    nv.native_support = lambda device: (True, "")
-    nv.foreign_init_status = lambda: 0
-    nv.NvshmemOwner.make_uid = staticmethod(lambda: b"uid")
-    nv.NvshmemOwner.init = classmethod(lambda cls, uid, **kw: rec)
-    nv.owner = lambda: rec if rec.alive else None
+    rec = fake_nvshmem.install(rank, world)
 
     tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     ep = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]

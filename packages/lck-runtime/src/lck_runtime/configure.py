@@ -228,12 +228,13 @@ def configure(
             import torch
 
             torch.cuda.synchronize(st.device)
-        failed = _attach_p2p(st, nvs, domain.local_rank)
+        fresh, failed = _attach_p2p(st, nvs, domain.local_rank)
         reports = exchange(domain, "configure (reservations ready)", failed)
         if any(reports):
-            # Every rank drops the one-shot all-reduce alike (its NVSHMEM reduction path stays).
-            for ctx in st.flsce.values():
-                ctx._p2p = None
+            # Every rank drops this call's one-shot all-reduces alike, for good (a rebuilt one would restart
+            # its epochs over flags that hold later ones); their NVSHMEM reduction path stays.
+            for ctx in fresh:
+                ctx._p2p, ctx._p2p_off = None, True
             warnings.warn(
                 "lck_runtime.configure: the NVLink one-shot all-reduce is off (a rank has no peer view: "
                 f"{next(r for r in reports if r)}); FLSCE contexts use NVSHMEM's team reduction",
@@ -255,12 +256,14 @@ def _one_host_per_group(setup: Setup, part: Any) -> bool:
     return all(len({setup.hosts[r] for r in g}) == 1 for g in part.groups)
 
 
-def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> str | None:
-    """Build the one-shot all-reduce of every FLSCE context with fresh P2P buffers; the error text if
-    this rank cannot (no peer view), else None."""
-    for ctx in st.flsce.values():
-        if ctx._p2p_buffers is None or ctx._p2p is not None:
-            continue
+def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> tuple[list[Any], str | None]:
+    """Build the one-shot all-reduce of every FLSCE context whose buffers this call reserved.
+
+    Returns those contexts (the same ones on every rank: configure creates contexts uniformly) and the
+    error text if this rank could not build one (no peer view), else None.
+    """
+    fresh = [c for c in st.flsce.values() if c._p2p_buffers is not None and c._p2p is None and not c._p2p_off]
+    for ctx in fresh:
         *buffers, slot = ctx._p2p_buffers  # receive area, flags, low-latency area
         team = ctx._team
         try:
@@ -274,8 +277,8 @@ def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> str | None:
             tensors = [t.tensor for t in buffers]
             ctx._p2p = p2p.P2PAllReduce(*tensors, *ptrs, team.local.index(local_rank), slot)
         except Exception as exc:
-            return f"bootstrap rank {local_rank}: {type(exc).__name__}: {exc}"
-    return None
+            return fresh, f"bootstrap rank {local_rank}: {type(exc).__name__}: {exc}"
+    return fresh, None
 
 
 def _label(name: str | None) -> str:

@@ -123,6 +123,7 @@ class FlsceContext(_Context):
         # of one, teams spanning hosts, or a rank without peer views).
         self._p2p_buffers = p2p_buffers
         self._p2p: Any = None
+        self._p2p_off = False  # set on every rank when some rank could not build it
 
     @property
     def config(self) -> FusedLinearCrossEntropyConfig:
