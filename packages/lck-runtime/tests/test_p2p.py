@@ -46,6 +46,9 @@ def test_sizing_rules() -> None:
         slot = p2p.slot_floats(size, 1 << 30)
         assert slot % p2p.SLOT_ALIGN == 0 and p2p.recv_numel(size, slot) * 4 <= p2p.BUFFER_BYTES
     assert p2p.flags_numel(4) == 4 * p2p.MAX_BLOCKS and p2p.ll_numel(4) == 2 * 4 * p2p.LL_SLOT
+    # "auto": any size for two members; beyond two, only the low-latency sizes.
+    assert p2p.auto_takes(2, 1 << 30) and p2p.auto_takes(8, p2p.LL_SLOT)
+    assert not p2p.auto_takes(4, p2p.LL_SLOT + 1) and not p2p.auto_takes(8, 1 << 25)
     # Blocks depend on the element count only (every member launches the same grid).
     assert [p2p.blocks_for(n) for n in (1, 8192, 8193, 10**9)] == [1, 1, 2, p2p.MAX_BLOCKS]
 

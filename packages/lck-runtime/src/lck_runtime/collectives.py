@@ -3,9 +3,10 @@ torch.distributed otherwise.
 
 One-shot path (:mod:`lck_runtime.p2p`, ``algorithm="p2p"``): one kernel per receive-slot-sized chunk
 pushes the tensor to the other members' symmetric receive areas and reduces there in member order (the
-same bits on every member); bounded waits, NaN instead of a hang. ``"auto"`` takes it whenever the context
-has one (single-host teams of two or more on the NVSHMEM path) and the stream is not being captured (its
-epochs are host counters, which a replayed graph would repeat).
+same bits on every member); bounded waits, NaN instead of a hang. ``"auto"`` takes it when the context
+has one (single-host teams of two or more on the NVSHMEM path), the stream is not being captured (its
+epochs are host counters, which a replayed graph would repeat) and ``p2p.auto_takes`` says so (any size
+for two members; up to the low-latency sizes for more).
 
 NVSHMEM path: the tensor goes through the shared symmetric scratch in chunks of half its length
 (first half source, second half destination: NVSHMEM's reduction algorithms are not all safe in
@@ -22,6 +23,8 @@ on shapes and dtypes, which SPMD code keeps equal across the group.
 from __future__ import annotations
 
 from typing import Any
+
+from lck_runtime import p2p
 
 __all__ = ["ALGORITHMS", "all_reduce_", "check_all_reduce_args"]
 
@@ -81,7 +84,8 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
         )
     if ctx.size == 1 or t.numel() == 0:
         return t
-    if algorithm in ("auto", "p2p") and ctx._p2p is not None and not capturing:
+    one_shot = ctx._p2p is not None and not capturing
+    if one_shot and (algorithm == "p2p" or (algorithm == "auto" and p2p.auto_takes(ctx.size, t.numel()))):
         ctx._p2p(t, op)
     elif ctx.native and algorithm != "torch":
         _nvshmem_all_reduce(ctx, t, op)
