@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from lck_runtime.jit import I32, I64, U64, Jit, Kernel
+from lck_runtime.signals import CSRC, HEADER
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "p2p_all_reduce.cu"
+_INCLUDE = {"headers": [HEADER], "include_dirs": [CSRC]}  # lck_sync.cuh, shared with the team barrier
 KERNEL = "lck_p2p_all_reduce"
 KERNEL_LL = "lck_p2p_all_reduce_ll"
 LL_SLOT = 128 * 1024  # floats up to which a call takes the low-latency form (8-byte words with the epoch)
@@ -56,7 +58,7 @@ def ll_numel(team_size: int) -> int:
 
 def compile_kernel(arch: str, jit: Jit | None = None, kernel: str = KERNEL) -> Path:
     """Compile (or find cached) one of the two cubins for ``arch`` without a GPU; returns its path."""
-    return (jit or Jit(prefix="LCK")).compile_only(kernel, SOURCE.read_text(), kernel, arch=arch)
+    return (jit or Jit(prefix="LCK")).compile_only(kernel, SOURCE.read_text(), kernel, arch=arch, **_INCLUDE)
 
 
 def _kernel(name: str) -> Kernel:
@@ -66,7 +68,7 @@ def _kernel(name: str) -> Kernel:
     with _lock:
         k = _kernels.get((name, arch))
         if k is None:
-            k = Jit(prefix="LCK").build(name, SOURCE.read_text(), name, arch=arch)
+            k = Jit(prefix="LCK").build(name, SOURCE.read_text(), name, arch=arch, **_INCLUDE)
             _kernels[(name, arch)] = k
         return k
 

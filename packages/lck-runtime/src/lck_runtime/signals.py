@@ -25,7 +25,9 @@ from lck_runtime.jit import I32, U64, Jit, Kernel
 if TYPE_CHECKING:
     import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "team_signal.cu"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "team_signal.cu"
+HEADER = CSRC / "lck_sync.cuh"  # shared with p2p_all_reduce.cu; its contents are part of the cache key
 KERNEL = "lck_team_barrier"
 STATUS_WORDS = 5
 OK, TIMED_OUT, OUT_OF_STEP = 0, 1, 2
@@ -54,7 +56,9 @@ def _get_jit() -> Jit:
 
 def compile_barrier(arch: str, jit: Jit | None = None) -> Path:
     """Compile (or find cached) the barrier cubin for ``arch`` without a GPU; returns its path."""
-    return (jit or _get_jit()).compile_only(KERNEL, SOURCE.read_text(), KERNEL, arch=arch)
+    return (jit or _get_jit()).compile_only(
+        KERNEL, SOURCE.read_text(), KERNEL, arch=arch, headers=[HEADER], include_dirs=[CSRC]
+    )
 
 
 def barrier_kernel(jit: Jit | None = None) -> Kernel:
@@ -65,7 +69,9 @@ def barrier_kernel(jit: Jit | None = None) -> Kernel:
     with _lock:
         kernel = _kernels.get(arch)
         if kernel is None:
-            kernel = (jit or _get_jit()).build(KERNEL, SOURCE.read_text(), KERNEL, arch=arch)
+            kernel = (jit or _get_jit()).build(
+                KERNEL, SOURCE.read_text(), KERNEL, arch=arch, headers=[HEADER], include_dirs=[CSRC]
+            )
             _kernels[arch] = kernel
         return kernel
 

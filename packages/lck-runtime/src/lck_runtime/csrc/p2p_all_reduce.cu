@@ -21,36 +21,16 @@
 
 #include <cstdint>
 
+#include "lck_sync.cuh"
+
+using lck_sync::globaltimer_ns;
+using lck_sync::load_acquire_sys;
+using lck_sync::max_release_sys;
+using lck_sync::record;
+
 namespace {
 
 constexpr int MAX_BLOCKS = 128;
-
-__device__ __forceinline__ unsigned long long load_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void max_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ void record(long long* status, long long code, long long who, unsigned long long seen,
-                       unsigned long long epoch, unsigned long long waited) {
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(status), 0ull, static_cast<unsigned long long>(code)) == 0ull) {
-    status[1] = who;
-    status[2] = static_cast<long long>(seen);
-    status[3] = static_cast<long long>(epoch);
-    status[4] = static_cast<long long>(waited);
-    __threadfence_system();
-  }
-}
 
 __device__ __forceinline__ float combine(float a, float b, int op_max) { return op_max ? fmaxf(a, b) : a + b; }
 
