@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from lck_runtime.testing import run_workers
+from lck_runtime.testing import error_text, run_workers
 
 # Partition (size, stride) of each named group, in configure order: first layout (tpA, epA), second (tpB, epB).
 LAYOUTS: dict[int, dict[str, tuple[int, int]]] = {
@@ -90,15 +90,6 @@ def _half_layout(world: int) -> dict[str, tuple[int, int]]:
     """Partitions inside each half of the world: TP blocks of h/2 ranks, EP pairs at stride h/2."""
     h = world // 2
     return {"tp": (h // 2, 1), "ep": (2, h // 2), "boot": (h, 1)}
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    """'Type: message' of what ``fn`` raised, or '<no error>' (the checks then fail, naming it)."""
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "<no error>"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,7 +176,7 @@ def _peer_check(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     if not ctx.native:
-        return {"refused": _err(ctx.peer_workspace, 0), "workspace": ctx.workspace, "team": ctx.team}
+        return {"refused": error_text(ctx.peer_workspace, 0), "workspace": ctx.workspace, "team": ctx.team}
     me = dist.get_rank()
     ws = ctx.workspace
     n = min(ws.numel(), 1 << 16)
@@ -284,29 +275,29 @@ def _world_phase(rank: int, world: int, g: dict[str, Any]) -> dict[str, Any]:
     o["facts 1"] = {k: _ctx_facts(v) for k, v in ctxs.items()}
 
     # Growth of a live reservation: rejected on every rank before anything changes.
-    o["growth flsce"] = _err(L.configure, flsce=F(128, 32, 128, group=tp_b))
-    o["growth moe"] = _err(L.configure, moe=dataclasses.replace(m3, max_inflight=4))
+    o["growth flsce"] = error_text(L.configure, flsce=F(128, 32, 128, group=tp_b))
+    o["growth moe"] = error_text(L.configure, moe=dataclasses.replace(m3, max_inflight=4))
     o["after growth"] = (L.flsce_context(tp_b) is fb, fb.alive, L.moe_context(ep_b) is mb, mb.max_inflight)
 
     # 4. Retained forwards on epA, then work on the other contexts.
     entries = [{"layer": i, "rank": rank} for i in range(3)]
     for e in entries:
         ma.push_forward(e)
-    o["epA overflow"] = _err(ma.push_forward, {"layer": 3})
+    o["epA overflow"] = error_text(ma.push_forward, {"layer": 3})
     o["epA after overflow"] = (ma.inflight, ma.peek_forward() is entries[2])
     o["reduce while retained"] = _reduce_errors({"fa": fa, "fb": fb}, 0)
     x, y = {"mb": 0}, {"mb": 1}
     mb.push_forward(x)
     mb.push_forward(y)
-    o["epB overflow"] = _err(mb.push_forward, {"mb": 2})
+    o["epB overflow"] = error_text(mb.push_forward, {"mb": 2})
     o["epB lifo"] = (mb.pop_forward() is y, mb.pop_forward() is x, mb.inflight)
-    o["epB empty pop"] = _err(mb.pop_forward)
+    o["epB empty pop"] = error_text(mb.pop_forward)
     o["epA after switch"] = (ma.alive, ma.inflight, ma.peek_forward() is entries[2])
 
     # 5. Destroying epA's team (or clearing the pool) is refused while it retains forwards.
-    o["destroy epA refused"] = _err(L.destroy_team, ep_a)
-    o["destroy epA group refused"] = _err(L.destroy_team, g[ep_a])
-    o["clear refused"] = _err(L.clear_pool)
+    o["destroy epA refused"] = error_text(L.destroy_team, ep_a)
+    o["destroy epA group refused"] = error_text(L.destroy_team, g[ep_a])
+    o["clear refused"] = error_text(L.clear_pool)
     o["after refusals"] = (
         ma.alive,
         ma.inflight,
@@ -320,7 +311,7 @@ def _world_phase(rank: int, world: int, g: dict[str, Any]) -> dict[str, Any]:
     L.destroy_team(tp_b)
     o["tpB destroyed"] = {
         "fb alive": fb.alive,
-        "fb use": _err(fb.all_reduce_, torch.ones(4, device=fa.device), "sum"),
+        "fb use": error_text(fb.all_reduce_, torch.ones(4, device=fa.device), "sum"),
         "lookup": L.flsce_context(tp_b, required=False),
         "mb alive": mb.alive,
         "fa alive": fa.alive,
@@ -336,25 +327,25 @@ def _world_phase(rank: int, world: int, g: dict[str, Any]) -> dict[str, Any]:
     o["reduce after tpB recreate"] = _reduce_errors({"fb2": fb2}, 100)
 
     # 7. LIFO pops on epA, across all of that.
-    o["epA out of order"] = _err(ma.pop_forward, entries[0])
+    o["epA out of order"] = error_text(ma.pop_forward, entries[0])
     o["epA lifo"] = [
         ma.pop_forward() is entries[2],
         ma.pop_forward(entries[1]) is entries[1],
         ma.pop_forward() is entries[0],
     ]
-    o["epA empty"] = (ma.inflight, _err(ma.pop_forward))
+    o["epA empty"] = (ma.inflight, error_text(ma.pop_forward))
 
     # 8. Now epA's team can go: its context and every alias are invalidated; re-create and use it.
     alias = ma
     L.destroy_team(g[ep_a])
     o["epA destroyed"] = {
         "alive": alias.alive,
-        "push": _err(alias.push_forward, {"late": 1}),
-        "ranks": _err(lambda: alias.ranks),
+        "push": error_text(alias.push_forward, {"late": 1}),
+        "ranks": error_text(lambda: alias.ranks),
         "lookup": L.moe_context(ep_a, required=False),
         "others alive": (fa.alive, fb2.alive, mb2.alive),
     }
-    o["destroy epA again"] = _err(L.destroy_team, ep_a)
+    o["destroy epA again"] = error_text(L.destroy_team, ep_a)
     L.configure(moe=m1)
     ma2 = L.moe_context(ep_a)
     e = {"again": rank}
@@ -372,7 +363,7 @@ def _world_phase(rank: int, world: int, g: dict[str, Any]) -> dict[str, Any]:
         "alive": [c.alive for c in (fa, fb2, ma2, mb2)],
         "is_native": L.is_native(),
         "lookup": L.flsce_context(tp_a, required=False),
-        "use": _err(lambda: fa.capacity),
+        "use": error_text(lambda: fa.capacity),
     }
     return o
 
@@ -403,12 +394,12 @@ def _halves_phase(rank: int, world: int, boot: Any, h_tp: Any, h_ep: Any) -> dic
     a, b = {"half": 0}, {"half": 1}
     me.push_forward(a)
     me.push_forward(b)
-    o["overflow"] = _err(me.push_forward, {"half": 2})
+    o["overflow"] = error_text(me.push_forward, {"half": 2})
     o["reduce while retained"] = _reduce_errors({"fh": fh}, 400)
-    o["destroy refused"] = _err(L.destroy_team, "ep")
+    o["destroy refused"] = error_text(L.destroy_team, "ep")
     o["lifo"] = (me.pop_forward() is b, me.pop_forward() is a, me.inflight)
     # The world is not this process's bootstrap domain: refused on every rank of both halves.
-    o["other domain"] = _err(L.configure, bootstrap_group=dist.group.WORLD)
+    o["other domain"] = error_text(L.configure, bootstrap_group=dist.group.WORLD)
     o["peer"] = _peer_check(me)
     L.finalize()
     o["after finalize"] = ([c.alive for c in ctxs.values()], L.is_native())

@@ -12,25 +12,12 @@ from typing import Any
 
 import pytest
 
-from lck_runtime.testing import run_workers
+from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, error_text, run_workers
 
 # The single-host settings; the bring-up test leaves them unset to check that configure applies them.
-NVSHMEM_ENV = {
-    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-    "NVSHMEM_REMOTE_TRANSPORT": "none",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "LCK_SETUP_TIMEOUT": "120",
-}
+NVSHMEM_ENV = SINGLE_HOST_NVSHMEM_ENV
 TIMEOUT = 240  # a hang fails the test well inside a device stage
 SEED = 20261130
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "<no error>"
 
 
 def _rand(rank: int, case: int, numel: int) -> Any:
@@ -138,8 +125,8 @@ def _bring_up(rank: int, world: int, preset: dict[str, str | None]) -> dict:
         with torch.cuda.stream(side):
             errs["side stream"] = _check_reduce(f2, case, 4096, "sum")
         out["validation"] = (
-            _err(f2.all_reduce_, torch.ones(4), "sum"),  # CPU tensor on the native path
-            _err(f2.all_reduce_, torch.ones(f2.capacity + 1, device="cuda"), "sum"),
+            error_text(f2.all_reduce_, torch.ones(4), "sum"),  # CPU tensor on the native path
+            error_text(f2.all_reduce_, torch.ones(f2.capacity + 1, device="cuda"), "sum"),
         )
     finally:
         aliases = [L.flsce_context("tp2", required=False), L.moe_context("tp2", required=False)]
@@ -147,7 +134,7 @@ def _bring_up(rank: int, world: int, preset: dict[str, str | None]) -> dict:
     out["after finalize"] = (
         L.is_native(),
         [a is not None and a.alive for a in aliases],
-        _err(lambda: aliases[0].all_reduce_(torch.ones(4, device="cuda"), "sum")),
+        error_text(lambda: aliases[0].all_reduce_(torch.ones(4, device="cuda"), "sum")),
         nv.status()["owned_by_lck"],
     )
     return out
@@ -217,12 +204,12 @@ def _lifecycle(rank: int, world: int) -> dict:
         m, ms = L.moe_context("ep"), L.moe_context("solo")
         if rank == 1:
             m.push_forward(("fwd", torch.ones(2, device="cuda")))
-        out["refused"] = (_err(L.destroy_team, "ep"), _err(L.clear_pool), m.alive, m.inflight)
+        out["refused"] = (error_text(L.destroy_team, "ep"), error_text(L.clear_pool), m.alive, m.inflight)
         if rank == 1:
             m.pop_forward()
         old_team = m.team
         L.destroy_team("ep")
-        out["destroyed"] = (m.alive, _err(m.peer_workspace, 0), L.flsce_context("ep", required=False))
+        out["destroyed"] = (m.alive, error_text(m.peer_workspace, 0), L.flsce_context("ep", required=False))
         out["solo intact"] = (ms.alive, core.team_n_pes(ms.team))
         out["plan after destroy"] = [label for label, _, _ in STATE.pool.plan()]
         L.configure(flsce=F(128, 64, 64, group="ep"), moe=M(32, 64, 2, 1, group="ep"))
@@ -350,7 +337,7 @@ def _foreign(rank: int, world: int) -> dict:
     core.init(device=dev, uid=core.get_unique_id(), rank=0, nranks=1, initializer_method="uid")
     try:
         return {
-            "error": _err(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8)),
+            "error": error_text(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8)),
             "is_native": L.is_native(),
         }
     finally:

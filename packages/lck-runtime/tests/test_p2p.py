@@ -16,23 +16,9 @@ from typing import Any
 import pytest
 
 from lck_runtime import p2p
-from lck_runtime.testing import run_workers
+from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, error_text, run_workers
 
-NVSHMEM_ENV = {
-    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-    "NVSHMEM_REMOTE_TRANSPORT": "none",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "LCK_SETUP_TIMEOUT": "120",
-}
 SEED = 20261201
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "<no error>"
 
 
 def test_sizing_rules() -> None:
@@ -74,7 +60,7 @@ def _cpu_algorithms(rank: int, world: int) -> dict[str, str]:
         t = torch.full((8,), float(rank + 1))
         out = {"p2p flag": str(ctx.p2p)}
         for algorithm in ("p2p", "nvshmem", "fast", 3):
-            out[str(algorithm)] = _err(ctx.all_reduce_, t, "sum", algorithm=algorithm)
+            out[str(algorithm)] = error_text(ctx.all_reduce_, t, "sum", algorithm=algorithm)
         ctx.all_reduce_(t, "sum", algorithm="torch")
         out["torch"] = str(t.tolist())
         ctx.check_collectives()  # nothing to check on this path: returns
@@ -120,7 +106,7 @@ def _peerless_rank(rank: int, world: int) -> dict[str, Any]:
     # not restarted behind the other ranks' backs.
     L.configure(process_groups={"again": pair}, flsce=F(16, 8, 8, group="again"))
     out["p2p after again"] = (L.flsce_context("again") is ctx, ctx.p2p)
-    out["forced"] = _err(ctx.all_reduce_, __import__("torch").ones(4), "sum", algorithm="p2p")
+    out["forced"] = error_text(ctx.all_reduce_, __import__("torch").ones(4), "sum", algorithm="p2p")
     L.finalize()
     return out
 
@@ -220,7 +206,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
             fails += int(float((t.double() - ref).abs().max()) > 1e-4)
         out["back to back failures"] = fails
         ctx.check_collectives()
-        out["auto vs nvshmem"] = _err(
+        out["auto vs nvshmem"] = error_text(
             ctx.all_reduce_, torch.ones(8, device="cuda"), "sum", algorithm="nvshmem"
         )
         # A peer that never arrives: rank 1 skips a call; rank 0 times out, gets NaN, and check raises.
@@ -231,7 +217,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
             ctx.all_reduce_(t, "sum", algorithm="p2p")
             torch.cuda.synchronize()
             out["skipped peer: all NaN"] = bool(torch.isnan(t).all())
-            out["skipped peer: check"] = _err(ctx.check_collectives)
+            out["skipped peer: check"] = error_text(ctx.check_collectives)
             # Broken for good: the next call (standard kernel) fails fast (NaN at once), not after another
             # timeout.
             ctx._p2p.ll_max = 0
@@ -247,7 +233,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.multigpu(2)
 def test_one_shot_all_reduce_on_two_gpus() -> None:
-    outs = run_workers(_two_gpus, 2, backend="nccl", timeout=240, env=NVSHMEM_ENV)
+    outs = run_workers(_two_gpus, 2, backend="nccl", timeout=240, env=SINGLE_HOST_NVSHMEM_ENV)
     for rank, o in enumerate(outs):
         where = f"rank {rank}: {o}"
         assert o["native, p2p, slot"] == (True, True, 32768), where

@@ -160,3 +160,22 @@ def run_workers(
         raise WorkerTimeout(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
     del stuck  # ranks that reported but hung in teardown were killed above; their results stand
     return [outs[r] for r in range(world_size)]
+
+
+# The NVSHMEM settings of a single-host GPU test (no remote transport, NVLink multicast off).
+SINGLE_HOST_NVSHMEM_ENV = {
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "LCK_SETUP_TIMEOUT": "120",
+}
+
+
+def error_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """``'Type: message'`` of what ``fn(*args, **kwargs)`` raised, or ``'<no error>'``: workers return it so
+    that the test's assertions, not the worker, say what was expected."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "<no error>"
