@@ -3,6 +3,8 @@
 ``_vp_target_digest_kernel`` summarises a target vector (min and max of the non-ignored targets and a
 position-weighted hash) into float32 limbs, so that the ops can check, in the same collective that checks
 shapes, that every rank holds the same targets inside the vocabulary (``_vocab_parallel_group.agree``).
+``_vp_verdict_kernel`` is that check on the device, for calls captured into a CUDA graph
+(``_vocab_parallel_capture``), where the host cannot read the gathered digests.
 """
 
 from __future__ import annotations
@@ -65,3 +67,38 @@ def decode_target_digest(limbs: list[float]) -> tuple[int, int, int]:
             v |= int(limbs[f * TARGET_LIMBS + k]) << (LIMB_BITS * k)
         vals.append(v)
     return vals[0] - TARGET_OFFSET, vals[1] - TARGET_OFFSET, vals[2]
+
+
+@triton.jit
+def _vp_verdict_kernel(
+    rows_ptr, n_rows, width, digest_at, vocab_size, out_ptr, OFFSET: tl.constexpr, BLOCK: tl.constexpr
+):
+    # One program: every gathered row must equal the first (signature and digest), and the first row's
+    # non-ignored targets must lie in [0, vocab_size). The verdict is 0.0, or NaN for the loss to carry.
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    first = tl.load(rows_ptr + cols, mask=mask, other=0.0)
+    differ = tl.zeros((), tl.int32)
+    for r in range(1, n_rows):
+        row = tl.load(rows_ptr + r * width + cols, mask=mask, other=0.0)
+        differ += tl.sum((row != first).to(tl.int32), 0)
+    lo = tl.zeros((), tl.int64)
+    hi = tl.zeros((), tl.int64)
+    for k in tl.static_range(3):
+        lo += tl.load(rows_ptr + digest_at + k).to(tl.int64) << (16 * k)
+        hi += tl.load(rows_ptr + digest_at + 3 + k).to(tl.int64) << (16 * k)
+    lo -= OFFSET
+    hi -= OFFSET
+    bad = (differ > 0) | ((lo <= hi) & ((lo < 0) | (hi >= vocab_size)))
+    tl.store(out_ptr, tl.where(bad, float("nan"), 0.0))
+
+
+def target_verdict(rows: torch.Tensor, digest_at: int, vocab_size: int, out: torch.Tensor) -> None:
+    """``out`` (one float32) ← 0.0 when the contiguous ``[ranks, width]`` float32 ``rows`` are all equal and
+    the digest at column ``digest_at`` (written by :func:`target_digest`) lies in ``[0, vocab_size)``,
+    else NaN. No host read: the check of a call captured into a CUDA graph."""
+    n_rows, width = rows.shape
+    _vp_verdict_kernel[(1,)](
+        rows, n_rows, width, digest_at, vocab_size, out,
+        OFFSET=TARGET_OFFSET, BLOCK=next_power_of_2(width), num_warps=1,
+    )  # fmt: skip

@@ -51,7 +51,9 @@ def _check_vp_flsce_inputs(
 
 
 def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction):
-    """Local validation, the collective agreement and the capacity check; returns (x2, t, local_vocab)."""
+    """Local validation, the collective agreement and the capacity check; returns (x2, t, local_vocab,
+    verdict), ``verdict`` None, or inside CUDA-graph capture the 0-D tensor (0.0 or NaN) to add to the loss
+    (see ``_vocab_parallel_group.agree``)."""
     error: BaseException | None = None
     try:
         x2, t = _check_vp_flsce_inputs(x, weight, target, tau, chunk_bytes)
@@ -76,7 +78,7 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
         Field("reduction", int(reduction)),
         Field("whether the group has a runtime FLSCE context (lck_runtime.configure)", tp.ctx is not None),
     ]
-    agree(
+    verdict = agree(
         OP,
         tp,
         fields,
@@ -88,4 +90,4 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
     )
     assert x2 is not None and t is not None
     tp.check_capacity(OP, tokens, hidden=hidden, local_vocab=local_vocab)
-    return x2, t, local_vocab
+    return x2, t, local_vocab, verdict

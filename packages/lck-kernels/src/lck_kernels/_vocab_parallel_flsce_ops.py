@@ -94,7 +94,7 @@ def _vp_flsce_fwd(
     """
     tau = inverse_temperature
     tp = TPGroup.resolve(OP, group_name)
-    x2, t, local_vocab = _agree_and_check(
+    x2, t, local_vocab, verdict = _agree_and_check(
         tp, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction
     )
     tokens, hidden = x2.shape
@@ -160,6 +160,9 @@ def _vp_flsce_fwd(
         nll_out = nll.view(shape)
     else:
         nll_out = nll.sum() if reduction == 1 else nll.sum() / (t != ignore_index).sum()
+    if verdict is not None:  # captured into a CUDA graph: NaN where an eager call would have raised
+        nll_out.add_(verdict)
+        lse.add_(verdict)
     return (
         nll_out,
         lse.view(shape),

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lck_kernels import _vocab_parallel_capture as capture
 from lck_kernels import _vocab_parallel_kernels as K
 from lck_kernels._common import check_tensor
 
@@ -155,24 +156,35 @@ def agree(
     error: BaseException | None,
     target: torch.Tensor | None,
     ignore_index: int,
-    vocab_size: int | None,
+    vocab_size: int,
     device: torch.device,
-) -> None:
+) -> torch.Tensor | None:
     """Collective over ``tp.group``: raise the same ``TypeError``/``ValueError`` on every rank if any rank
     rejected its inputs (``error``), if the ranks disagree on any field or on the targets, or if a target
-    lies outside ``[0, vocab_size)`` without being ``ignore_index``. One small all-reduce and a host sync.
+    lies outside ``[0, vocab_size)`` without being ``ignore_index``. One small all-reduce and a host sync;
+    returns None.
+
+    Inside CUDA-graph capture (no host read possible) the call's fields must have been agreed eagerly
+    before, and the target checks run on the device at every replay: the return value is then a 0-D
+    float32 tensor, 0.0 or NaN, for the op to add to its loss (``_vocab_parallel_capture``).
     """
     if len(fields) > N_FIELDS:
         raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")
+    values = [_encode(f.value) for f in fields]
+    if capture.capturing(device):
+        return capture.captured_agreement(
+            op, tp, values, error=error, target=target, ignore_index=ignore_index,
+            vocab_size=vocab_size, device=device,
+        )  # fmt: skip
     row = [0.0] * _ROW
     if error is not None:
         msg = str(error).encode("utf-8", "replace")[:_MSG_BYTES]
         row[0], row[1], row[2] = 1.0, 1.0 if isinstance(error, TypeError) else 2.0, float(len(msg))
         row[_HEAD : _HEAD + len(msg)] = [float(b) for b in msg]
     else:
-        for i, f in enumerate(fields):
+        for i, value in enumerate(values):
             at = _HEAD + _MSG_BYTES + i * _FIELD_LIMBS
-            row[at : at + _FIELD_LIMBS] = _limbs(_encode(f.value))
+            row[at : at + _FIELD_LIMBS] = _limbs(value)
     buf = torch.zeros(tp.size, _ROW, device=device, dtype=torch.float32)
     buf[tp.rank].copy_(torch.tensor(row, dtype=torch.float32))
     if error is None and target is not None:
@@ -201,8 +213,13 @@ def agree(
             raise ValueError(
                 f"{op}: the ranks of the tensor-parallel group disagree on {f.label} ({per_rank})"
             )
-    if target is None:
-        return
+    if target is not None:
+        _check_targets(op, tp, rows, ignore_index, vocab_size)
+    capture.remember(tp.name, values, device)
+    return None
+
+
+def _check_targets(op: str, tp: TPGroup, rows: list[list[float]], ignore_index: int, vocab_size: int) -> None:
     digests = [tuple(rows[r][_TARGET_AT:]) for r in range(tp.size)]
     if len(set(digests)) > 1:
         raise ValueError(
@@ -210,7 +227,7 @@ def agree(
             f"the same targets (they index the whole vocabulary, not the local shard)"
         )
     lo, hi, _ = K.decode_target_digest(list(digests[0]))
-    if vocab_size is not None and lo <= hi and (lo < 0 or hi >= vocab_size):
+    if lo <= hi and (lo < 0 or hi >= vocab_size):
         bad_value = lo if lo < 0 else hi
         raise ValueError(
             f"{op}: target contains {bad_value}, outside the vocabulary [0, {vocab_size}) "

@@ -11,7 +11,9 @@ number of non-ignored targets, as torch does.
 Communication (collective over ``group``, every rank must call with the same shapes and options):
 1. one small all-reduce that checks the call agrees across ranks (token count, shard size, options, the
    targets themselves and their range, each rank's input validity) and ends in a host sync, so a mismatch
-   raises the *same* error on every rank before anything is launched;
+   raises the *same* error on every rank before anything is launched (inside CUDA-graph capture the
+   shapes and options must have been agreed by an eager call before, and the target checks run on the
+   device at each replay, giving a NaN loss instead of an error: ``_vocab_parallel_capture``);
 2. one all-reduce of the per-row shard statistics ``[tokens, tp, 5]`` (an all-gather written as a sum):
    through the runtime's FLSCE context (NVSHMEM when ``lck_runtime.configure(flsce=...)`` made one for this
    group; capacities checked against its ``FusedLinearCrossEntropyConfig`` first), or
@@ -85,7 +87,7 @@ def _vp_cross_entropy_fwd(
         Field("whether the group has a runtime FLSCE context (lck_runtime.configure)", tp.ctx is not None),
     ]
     vocab = tp.size * local_vocab
-    agree(
+    verdict = agree(
         OP,
         tp,
         fields,
@@ -113,6 +115,9 @@ def _vp_cross_entropy_fwd(
     loss, lse, _ = K.combine(
         stats, t, ignore_index=ignore_index, label_smoothing=label_smoothing, vocab_size=vocab
     )
+    if verdict is not None:  # captured into a CUDA graph: NaN where an eager call would have raised
+        loss.add_(verdict)
+        lse.add_(verdict)
     return loss.view(target.shape), lse.view(target.shape)
 
 
@@ -212,6 +217,10 @@ def vocab_parallel_cross_entropy(
     Validation: local problems (dtype, device, shape, stride, option range) and disagreements between the
     ranks (token count, shard size, options, targets, target range, runtime context) raise the same
     ``TypeError``/``ValueError`` on every rank; so does exceeding the configured capacities.
+
+    CUDA graphs: the op can be captured once an eager call with the same shapes and options has run on
+    the group (a warm-up; otherwise capture raises). The ranks cannot raise together at replay, so there a
+    target that differs between ranks or lies outside the vocabulary makes the loss NaN instead.
     """
     name = group_name_of(OP, group)
     check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))

@@ -144,6 +144,10 @@ def vocab_parallel_fused_linear_scaled_cross_entropy(
     (tokens, hidden size, shard size, dtype, options, which inputs need gradients, targets and their range,
     runtime context) raise the same ``TypeError``/``ValueError`` on every rank; so does exceeding the
     configured capacities, before any kernel runs.
+
+    CUDA graphs: forward and backward can be captured once an eager call with the same shapes and options
+    has run on the group (a warm-up; otherwise capture raises). The ranks cannot raise together at replay,
+    so there a target that differs between ranks or lies outside the vocabulary makes nll and lse NaN.
     """
     name = group_name_of(OP, group)
     check_choice(OP, "reduction", reduction, REDUCTIONS)
