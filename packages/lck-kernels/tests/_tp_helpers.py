@@ -63,6 +63,9 @@ def _sections(rank: int, sections: list[tuple[str, Callable[[], object]]]) -> di
             out[name] = ("ok", fn())
         except Exception:
             out[name] = ("fail", f"rank {rank}: {traceback.format_exc()}")
+            # Printed at once too: if a later section then hangs on the other rank, the timeout's report
+            # still shows why this one failed.
+            print(f"rank {rank} section {name} failed:\n{out[name][1]}", flush=True)
         if rank == 0 or os.environ.get("LCK_TEST_TIMES"):  # shown by pytest -s, or with a failure
             print(f"rank {rank} section {name}: {time.monotonic() - t0:.1f} s {out[name][0]}", flush=True)
     return out

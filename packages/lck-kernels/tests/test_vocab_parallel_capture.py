@@ -249,6 +249,7 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
 
     from lck_kernels import vocab_parallel_cross_entropy as ce
     from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+    from lck_runtime import flsce_context
 
     dev = torch.device("cuda", torch.cuda.current_device())
     n, vocab, hidden = 2048, 32000, 1024
@@ -256,6 +257,9 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
 
     def gen(seed):
         return torch.Generator(device=dev).manual_seed(seed)
+
+    def say(step: str) -> None:  # progress, so that a timeout's report shows where each rank was
+        print(f"rank {rank} {'nvshmem' if flsce_context(g, required=False) else 'nccl'}: {step}", flush=True)
 
     def targets(seed):
         t = torch.randint(0, vocab, (n,), device=dev, generator=gen(1000 + seed))
@@ -276,7 +280,9 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
         (grad,) = torch.autograd.grad(loss, (z,), cot)
         return loss, grad
 
+    say("cross entropy: capture")
     graph, outs = _graph(ce_step, [z, t])
+    say("cross entropy: replays")
     for seed in (1, 2):
         fresh = [shard_logits(seed), targets(seed)]
         _replay(graph, [z, t], fresh, outs)
@@ -314,7 +320,9 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
             gx, gw = torch.autograd.grad(loss * 0.5, (x, w))
             return nll, lse, gx, gw
 
+        say(f"fused {reduction}: capture")
         graph, outs = _graph(step, [x, w, tt])
+        say(f"fused {reduction}: replays")
         for seed in (1, 2):
             fresh = flsce_inputs(seed)
             _replay(graph, [x, w, tt], fresh, outs)
@@ -332,6 +340,7 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
         out[f"flsce_{reduction}_outside_nan"] = bool(
             torch.isnan(outs[0]).all() and torch.isnan(outs[1]).all()
         )
+    say("done")
     dist.barrier()
     return out
 
@@ -360,7 +369,7 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
 
 @pytest.mark.multigpu(2)
 def test_gpu_tp2_cuda_graphs_nccl_and_nvshmem() -> None:
-    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=150)
+    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=120)
     for name in ("nccl", "nvshmem"):
         for rank, out in enumerate(_section(results, name)):
             flags = {k: v for k, v in out.items() if k != "native"}

@@ -29,6 +29,7 @@ _WIDTH = SIG_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
 _MAX_REMEMBERED = 256
 # (group name, device, signature hash) -> the hash's limbs on that device, oldest first.
 _agreed: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
+_loaded: set[str] = set()  # devices on which the verdict kernel has run (compiled and loaded) once
 
 
 def capturing(device: torch.device) -> bool:
@@ -54,6 +55,11 @@ def remember(group_name: str, values: Sequence[int], device: torch.device) -> No
     _agreed[key] = torch.tensor(limbs, dtype=torch.float32, device=device)
     while len(_agreed) > _MAX_REMEMBERED:
         _agreed.popitem(last=False)
+    if str(device) not in _loaded:
+        # Compile and load the verdict kernel now: a first launch inside a capture would have to load a
+        # module while the stream is being captured.
+        D.target_verdict(torch.zeros(1, _WIDTH, device=device), SIG_LIMBS, 1, torch.empty((), device=device))
+        _loaded.add(str(device))
 
 
 def forget() -> None:
@@ -88,7 +94,11 @@ def captured_agreement(
         )
     rows = torch.zeros(tp.size, _WIDTH, device=device, dtype=torch.float32)
     rows[tp.rank, :SIG_LIMBS].copy_(sig)
-    D.target_digest(target, ignore_index, rows[tp.rank, SIG_LIMBS:])
+    # Into its own buffer, as the eager agreement does: the same pointer alignment, so the kernel compiled
+    # and loaded by the warm-up is the one captured.
+    digest = torch.empty(_WIDTH - SIG_LIMBS, device=device, dtype=torch.float32)
+    D.target_digest(target, ignore_index, digest)
+    rows[tp.rank, SIG_LIMBS:].copy_(digest)
     if tp.size > 1:
         dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=tp.group)
     verdict = torch.empty((), device=device, dtype=torch.float32)

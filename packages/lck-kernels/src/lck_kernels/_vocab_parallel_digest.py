@@ -69,7 +69,9 @@ def decode_target_digest(limbs: list[float]) -> tuple[int, int, int]:
     return vals[0] - TARGET_OFFSET, vals[1] - TARGET_OFFSET, vals[2]
 
 
-@triton.jit
+# Sizes unspecialised: one compiled kernel serves every group size and vocabulary, so the one load done
+# outside capture (``_vocab_parallel_capture.remember``) is the kernel every capture launches.
+@triton.jit(do_not_specialize=["n_rows", "width", "digest_at", "vocab_size"])
 def _vp_verdict_kernel(
     rows_ptr, n_rows, width, digest_at, vocab_size, out_ptr, OFFSET: tl.constexpr, BLOCK: tl.constexpr
 ):
