@@ -278,7 +278,7 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
     def ce_step():
         loss = ce(z, t, g, reduction="mean", label_smoothing=0.05)
         (grad,) = torch.autograd.grad(loss, (z,), cot)
-        return loss, grad
+        return loss.detach(), grad
 
     say("cross entropy: capture")
     graph, outs = _graph(ce_step, [z, t])
@@ -318,7 +318,8 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
             nll, lse = flsce(x, w, tt, g, inverse_temperature=0.8, reduction=reduction, chunk_bytes=16 << 20)
             loss = nll.sum() if reduction == "none" else nll
             gx, gw = torch.autograd.grad(loss * 0.5, (x, w))
-            return nll, lse, gx, gw
+            # detached: the replays overwrite these views of the op's outputs in place
+            return nll.detach(), lse.detach(), gx, gw
 
         say(f"fused {reduction}: capture")
         graph, outs = _graph(step, [x, w, tt])
@@ -326,12 +327,13 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
         for seed in (1, 2):
             fresh = flsce_inputs(seed)
             _replay(graph, [x, w, tt], fresh, outs)
+            say(f"fused {reduction}: replayed {seed}")
             xr, wr = fresh[0].clone().requires_grad_(True), fresh[1].clone().requires_grad_(True)
             nll, lse = flsce(
                 xr, wr, fresh[2], g, inverse_temperature=0.8, reduction=reduction, chunk_bytes=16 << 20
             )
             loss = nll.sum() if reduction == "none" else nll
-            ref = (nll, lse, *torch.autograd.grad(loss * 0.5, (xr, wr)))
+            ref = (nll.detach(), lse.detach(), *torch.autograd.grad(loss * 0.5, (xr, wr)))
             for a, b in zip(outs, ref):
                 torch.testing.assert_close(a, b)
         fresh = flsce_inputs(3)
@@ -362,7 +364,9 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
         try:
             return {"native": native, **_gpu_cases(g, rank, world)}
         finally:
+            print(f"rank {rank}: finalize", flush=True)
             finalize()
+            print(f"rank {rank}: finalized", flush=True)
 
     return _sections(rank, [("nccl", lambda: _gpu_cases(g, rank, world)), ("nvshmem", nvshmem)])
 
