@@ -5,7 +5,7 @@
 #
 #   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
-#           tp-k (multi-GPU kernel tests selected by KSEL), tp-bench, megatron, megatron-bench, demo
+#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, megatron, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -61,6 +61,7 @@ run_stage() {
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
+    runtime-k) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp "${TP:-$NGPU}" --out "$W/results-tp" ;;
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;

@@ -8,6 +8,12 @@ has one (single-host teams of two or more on the NVSHMEM path), the stream is no
 epochs are host counters, which a replayed graph would repeat) and ``p2p.auto_takes`` says so (any size
 for two members; up to the low-latency sizes for more).
 
+Inside CUDA-graph capture ``"auto"`` takes ``torch.distributed`` when the group's backend is NCCL: NCCL's
+collectives are built to be captured, while the NVSHMEM path below goes through a scratch that every
+context of the process shares, ordered across streams by host-side events that a replayed graph cannot
+keep (and a graph holding NVSHMEM reductions alive at ``finalize()`` is untested ground). Forcing
+``"nvshmem"`` still captures NVSHMEM's reduction.
+
 NVSHMEM path: the tensor goes through the shared symmetric scratch in chunks of half its length
 (first half source, second half destination: NVSHMEM's reduction algorithms are not all safe in
 place), one ``nvshmemx_float_<op>_reduce_on_stream`` per chunk on the current stream, then back.
@@ -87,13 +93,19 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     one_shot = ctx._p2p is not None and not capturing
     if one_shot and (algorithm == "p2p" or (algorithm == "auto" and p2p.auto_takes(ctx.size, t.numel()))):
         ctx._p2p(t, op)
-    elif ctx.native and algorithm != "torch":
+    elif ctx.native and (algorithm == "nvshmem" or (algorithm == "auto" and not (capturing and _nccl(ctx)))):
         _nvshmem_all_reduce(ctx, t, op)
     else:
         import torch.distributed as dist
 
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.group)
     return t
+
+
+def _nccl(ctx: Any) -> bool:
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(ctx.group)).lower()
 
 
 def _no_p2p_reason(ctx: Any) -> str:
