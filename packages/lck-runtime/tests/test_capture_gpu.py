@@ -2,7 +2,8 @@
 
 Two calls with ``algorithm="auto"`` (a sum and a max, low-latency and standard sizes) are captured into
 one graph: inside capture they must take NCCL, not the one-shot path (host epoch counters) nor NVSHMEM's
-reduction (a scratch ordered across streams by host events). The graph is replayed on fresh data against
+reduction (a scratch ordered across streams by host events; a live graph holding it blocks finalize), and
+forcing ``"nvshmem"`` there raises. The graph is replayed on fresh data against
 float64 references, with eager one-shot calls on another stream between the replays, and ``finalize()``
 runs while the graph is still alive.
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, run_workers
+from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, error_text, run_workers
 
 
 def _rand(rank: int, case: int, numel: int) -> Any:
@@ -67,6 +68,11 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
         step()
     out["nvshmem reductions captured"] = len(nvshmem_calls)
     collectives._nvshmem_all_reduce = real
+    # Forcing NVSHMEM's reduction inside capture is refused before anything is captured.
+    refused = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(refused, capture_error_mode="thread_local"):
+        out["forced nvshmem"] = error_text(ctx.all_reduce_, bufs["sum"], "sum", algorithm="nvshmem")
+    del refused
 
     worst = 0.0
     for case in range(1, 4):
@@ -101,5 +107,8 @@ def test_all_reduce_in_a_cuda_graph_takes_nccl_and_replays() -> None:
         where = f"rank {rank}: {o}"
         assert o["native"] is True and o["p2p"] is True, where
         assert o["nvshmem reductions captured"] == 0, where
+        assert o["forced nvshmem"].startswith(
+            "ValueError: all_reduce_: algorithm 'nvshmem' cannot be captured"
+        ), where
         assert o["worst"] <= 1e-5, where  # two fp32 addends: at most one rounding
         assert o["finalized"] is True, where

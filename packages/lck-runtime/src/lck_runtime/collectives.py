@@ -8,11 +8,12 @@ has one (single-host teams of two or more on the NVSHMEM path), the stream is no
 epochs are host counters, which a replayed graph would repeat) and ``p2p.auto_takes`` says so (any size
 for two members; up to the low-latency sizes for more).
 
-Inside CUDA-graph capture ``"auto"`` takes ``torch.distributed`` when the group's backend is NCCL: NCCL's
-collectives are built to be captured, while the NVSHMEM path below goes through a scratch that every
-context of the process shares, ordered across streams by host-side events that a replayed graph cannot
-keep (and a graph holding NVSHMEM reductions alive at ``finalize()`` is untested ground). Forcing
-``"nvshmem"`` still captures NVSHMEM's reduction.
+Inside CUDA-graph capture the all-reduce takes NCCL (``"auto"`` or ``"torch"`` on an NCCL group); forcing
+``"nvshmem"``, or ``"auto"`` on a group of another backend, raises ``ValueError`` before anything is
+captured. The NVSHMEM path below goes through a scratch that every context of the process shares, ordered
+across streams by host-side events that a replayed graph cannot keep, and a live graph holding NVSHMEM
+team reductions keeps ``finalize()`` from returning (two H200s: no return within 60 s while such a graph
+lived, 0.8 s once it was destroyed).
 
 NVSHMEM path: the tensor goes through the shared symmetric scratch in chunks of half its length
 (first half source, second half destination: NVSHMEM's reduction algorithms are not all safe in
@@ -73,7 +74,8 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     ``"max"``) and ``algorithm``, in the same order relative to its other collectives on that group.
     ``algorithm``: ``"auto"`` (default), or one path forced: ``"p2p"`` (the one-shot NVLink exchange),
     ``"nvshmem"`` (NVSHMEM's team reduction) or ``"torch"`` (``torch.distributed.all_reduce``); forcing a
-    path the context does not have raises ``ValueError``.
+    path the context does not have raises ``ValueError``. Inside CUDA-graph capture only NCCL is taken
+    (see the module doc).
     """
     check_all_reduce_args(ctx, t, op)
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
@@ -88,12 +90,27 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
         raise ValueError(
             "all_reduce_: algorithm 'nvshmem' needs the NVSHMEM path (lck_runtime.configure returned False)"
         )
+    if capturing and algorithm == "nvshmem":
+        raise ValueError(
+            "all_reduce_: algorithm 'nvshmem' cannot be captured into a CUDA graph (a live graph holding "
+            "NVSHMEM's team reduction keeps finalize() from returning): inside capture use 'auto' or 'torch' (NCCL)"
+        )
     if ctx.size == 1 or t.numel() == 0:
         return t
-    one_shot = ctx._p2p is not None and not capturing
-    if one_shot and (algorithm == "p2p" or (algorithm == "auto" and p2p.auto_takes(ctx.size, t.numel()))):
+    if capturing and algorithm == "auto" and not _nccl(ctx):
+        import torch.distributed as dist
+
+        raise ValueError(
+            f"all_reduce_: inside CUDA-graph capture the all-reduce takes NCCL, but the group's backend is "
+            f"{dist.get_backend(ctx.group)}"
+        )
+    if (
+        not capturing
+        and ctx._p2p is not None
+        and (algorithm == "p2p" or (algorithm == "auto" and p2p.auto_takes(ctx.size, t.numel())))
+    ):
         ctx._p2p(t, op)
-    elif ctx.native and (algorithm == "nvshmem" or (algorithm == "auto" and not (capturing and _nccl(ctx)))):
+    elif ctx.native and algorithm != "torch" and not capturing:
         _nvshmem_all_reduce(ctx, t, op)
     else:
         import torch.distributed as dist
@@ -125,9 +142,8 @@ def _nvshmem_all_reduce(ctx: Any, t: Any, op: str) -> None:
     half = scratch.numel() // 2
     src, dst = scratch[:half], scratch[half : 2 * half]
     stream = torch.cuda.current_stream(t.device)
-    capturing = torch.cuda.is_current_stream_capturing()
-    last_stream, last_event = _last_use
-    if not capturing and last_event is not None and last_stream != stream:
+    last_stream, last_event = _last_use  # never inside capture (all_reduce_ takes NCCL there)
+    if last_event is not None and last_stream != stream:
         stream.wait_event(last_event)
     flat = t.view(-1)
     n = flat.numel()
@@ -141,7 +157,6 @@ def _nvshmem_all_reduce(ctx: Any, t: Any, op: str) -> None:
                 f"all_reduce_: NVSHMEM float_{op}_reduce_on_stream on team {team} returned {rc}"
             )
         flat[off : off + m].copy_(dst[:m])
-    if not capturing:
-        event = torch.cuda.Event()
-        event.record(stream)
-        _last_use[0], _last_use[1] = stream, event
+    event = torch.cuda.Event()
+    event.record(stream)
+    _last_use[0], _last_use[1] = stream, event
