@@ -27,6 +27,19 @@ GPU_ENV = {
 }
 
 
+# CPU workers: gloo processes running Triton's interpreter, with bounded process-group and setup waits.
+CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
+
+
+def run_cpu_world(fn: Callable[[int, int], object], world: int = 2) -> list:
+    """``fn(rank, world)`` on ``world`` gloo processes under the interpreter (a module fixture's body)."""
+    from lck_runtime.testing import run_workers
+
+    if not INTERPRET:
+        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
+    return run_workers(fn, world, env=CPU_ENV, timeout=600)
+
+
 def _poison_cached_memory(device: str) -> None:
     """On CUDA, leave NaN in the caching allocator's free memory: outputs the op allocates with
     ``torch.empty`` then start as NaN, so an element a kernel never writes fails the comparison."""

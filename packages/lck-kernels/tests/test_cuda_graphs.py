@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _graphs import capture
 from _tolerances import assert_close
 
 from lck_kernels import (
@@ -44,15 +45,7 @@ def _graph_matches_eager(op: Callable[..., torch.Tensor], make: Inputs, dtype: t
         out = op(*static)
         return out, torch.autograd.grad(out, wrt, cot.to(out.dtype))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, grads = step()
+    graph, (out, grads) = capture(step, warmups=3)
 
     for seed in (1, 2):
         fresh = make(torch.Generator(device="cuda").manual_seed(seed))

@@ -17,13 +17,13 @@ import math
 
 import pytest
 import torch
-from _tp_helpers import GPU_ENV, INTERPRET, _expect_error, _section, _sections, cpu_variant
+from _graphs import capture
+from _tp_helpers import GPU_ENV, INTERPRET, _expect_error, _section, _sections, cpu_variant, run_cpu_world
 
-from lck_kernels import _vocab_parallel_capture as capture
+from lck_kernels import _vocab_parallel_capture as vp_capture
 from lck_kernels._vocab_parallel_digest import TARGET_FIELDS, TARGET_LIMBS, target_digest, target_verdict
 from lck_runtime.testing import run_workers
 
-CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
 IGNORE = -100
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,12 +83,12 @@ def test_verdict_kernel() -> None:
 
 @contextlib.contextmanager
 def _simulated_capture():
-    real = capture.capturing
-    capture.capturing = lambda device: True
+    real = vp_capture.capturing
+    vp_capture.capturing = lambda device: True
     try:
         yield
     finally:
-        capture.capturing = real
+        vp_capture.capturing = real
 
 
 def _same(seed: int, n: int, vocab: int) -> torch.Tensor:
@@ -113,12 +113,12 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
         return ce(z, t, g, label_smoothing=0.1)
 
     def cold() -> str:
-        capture.forget()
+        vp_capture.forget()
         with _simulated_capture():
             return _expect_error(RuntimeError, lambda: ce_call(logits(1), _same(1, n, vocab)), "warm-up")
 
     def warm() -> None:
-        capture.forget()
+        vp_capture.forget()
         t = _same(2, n, vocab)
         t[::4] = IGNORE
         ce_call(logits(2), t)  # the eager warm-up: the group agrees on these shapes and options
@@ -134,7 +134,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
             _expect_error(TypeError, lambda: ce_call(logits(5), _same(5, n, vocab).float()), "target")
 
     def bad_targets() -> dict[str, bool]:
-        capture.forget()
+        vp_capture.forget()
         z = logits(6)
         ce_call(z, _same(6, n, vocab))
         out = {}
@@ -153,7 +153,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
         return out
 
     def fused() -> None:
-        capture.forget()
+        vp_capture.forget()
         gen = torch.Generator().manual_seed(8)
         x = torch.randn(n, hidden, generator=gen)
         w = (torch.randn(vocab, hidden, generator=gen) * 0.3)[rank * local : (rank + 1) * local].contiguous()
@@ -186,9 +186,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, object]]:
-    if not INTERPRET:
-        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
-    return run_workers(_world2_cpu, 2, env=CPU_ENV, timeout=600)
+    return run_cpu_world(_world2_cpu)
 
 
 @cpu_variant
@@ -216,22 +214,6 @@ def test_fused_linear_variant_captured_path(world2) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real CUDA graphs on 2 GPUs, NCCL and NVSHMEM
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _graph(step, static: list[torch.Tensor]):
-    """Warm ``step`` up on a side stream, capture it, return (graph, captured outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread_local, as Megatron captures: NCCL's watchdog thread keeps querying events meanwhile
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outs = step()
-    return graph, outs
 
 
 def _replay(graph, static, fresh, outs) -> None:
@@ -281,7 +263,7 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
         return loss.detach(), grad
 
     say("cross entropy: capture")
-    graph, outs = _graph(ce_step, [z, t])
+    graph, outs = capture(ce_step, mode="thread_local")
     say("cross entropy: replays")
     for seed in (1, 2):
         fresh = [shard_logits(seed), targets(seed)]
@@ -322,7 +304,7 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
             return nll.detach(), lse.detach(), gx, gw
 
         say(f"fused {reduction}: capture")
-        graph, outs = _graph(step, [x, w, tt])
+        graph, outs = capture(step, mode="thread_local")
         say(f"fused {reduction}: replays")
         for seed in (1, 2):
             fresh = flsce_inputs(seed)

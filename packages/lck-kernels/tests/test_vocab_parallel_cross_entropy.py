@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from _tolerances import assert_close
 from _tp_helpers import (
+    CPU_ENV,
     GPU_ENV,
-    INTERPRET,
     _expect_error,
     _poison_cached_memory,
     _same_targets,
@@ -22,14 +22,12 @@ from _tp_helpers import (
     _sections,
     _timed,
     cpu_variant,
+    run_cpu_world,
 )
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager
 
 from lck_runtime.testing import run_workers
-
-CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
-
 
 # ---------------------------------------------------------------------------------------------------------
 # One case: shard the same float64 logits on every rank, compare loss and this rank's gradient slice
@@ -303,9 +301,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, object]]:
-    if not INTERPRET:
-        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
-    return run_workers(_world2_cpu, 2, env=CPU_ENV, timeout=600)
+    return run_cpu_world(_world2_cpu)
 
 
 @cpu_variant

@@ -14,8 +14,8 @@ import pytest
 import torch
 from _tolerances import assert_close
 from _tp_helpers import (
+    CPU_ENV,
     GPU_ENV,
-    INTERPRET,
     _expect_error,
     _poison_cached_memory,
     _same_targets,
@@ -23,12 +23,12 @@ from _tp_helpers import (
     _sections,
     _timed,
     cpu_variant,
+    run_cpu_world,
 )
 from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager, eager_linear
 
 from lck_runtime.testing import run_workers
 
-CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "90", "LCK_SETUP_TIMEOUT": "60"}
 OUTPUTS = ("nll", "lse", "entropy")
 
 
@@ -465,9 +465,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, object]]:
-    if not INTERPRET:
-        pytest.skip("the CPU variant runs Triton kernels in its interpreter: set TRITON_INTERPRET=1")
-    return run_workers(_world2_cpu, 2, env=CPU_ENV, timeout=600)
+    return run_cpu_world(_world2_cpu)
 
 
 @cpu_variant
