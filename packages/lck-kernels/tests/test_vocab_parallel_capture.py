@@ -128,6 +128,16 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
             with _simulated_capture():
                 got = ce_call(z, t)
             assert torch.equal(got, eager), (got, eager)
+        # What the captures read stays alive when the remembered agreements are evicted.
+        pinned = dict(vp_capture._pinned)
+        assert pinned, "a captured call must pin the signature it read"
+        saved, vp_capture._MAX_REMEMBERED = vp_capture._MAX_REMEMBERED, 1
+        try:
+            ce_call(logits(9, n + 2), _same(9, n + 2, vocab))  # another signature evicts the first
+        finally:
+            vp_capture._MAX_REMEMBERED = saved
+        assert len(vp_capture._agreed) == 1
+        assert all(vp_capture._pinned[k] is v for k, v in pinned.items())
         with _simulated_capture():  # 25 tokens were never agreed eagerly
             _expect_error(RuntimeError, lambda: ce_call(logits(5, n + 1), _same(5, n + 1, vocab)), "warm-up")
             # local problems still raise at capture time (here on both ranks, before any communication)

@@ -29,6 +29,9 @@ _WIDTH = SIG_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
 _MAX_REMEMBERED = 256
 # (group name, device, signature hash) -> the hash's limbs on that device, oldest first.
 _agreed: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
+# The limbs a capture has read, kept for good: the graph holds their address and replays read it, so an
+# eviction from ``_agreed`` must not free them.
+_pinned: dict[tuple[str, str, int], torch.Tensor] = {}
 _loaded: set[str] = set()  # devices on which the verdict kernel has run (compiled and loaded) once
 
 
@@ -63,7 +66,8 @@ def remember(group_name: str, values: Sequence[int], device: torch.device) -> No
 
 
 def forget() -> None:
-    """Drop every remembered agreement (tests; a captured call then needs a new eager warm-up)."""
+    """Drop every remembered agreement (tests; a captured call then needs a new eager warm-up). Limbs that
+    captures read stay pinned: graphs may still replay them."""
     _agreed.clear()
 
 
@@ -84,7 +88,8 @@ def captured_agreement(
     and options were never agreed eagerly."""
     if error is not None:
         raise error  # a local problem: the other ranks cannot learn of it without a host read
-    sig = _agreed.get((tp.name, str(device), _signature(values)))
+    key = (tp.name, str(device), _signature(values))
+    sig = _agreed.get(key)
     if sig is None:
         raise RuntimeError(
             f"{op}: this call is being captured into a CUDA graph with shapes and options that the ranks of "
@@ -92,6 +97,7 @@ def captured_agreement(
             f"host read, which a graph cannot hold): call the op once eagerly with the same shapes and "
             f"options before capturing, as a CUDA-graph warm-up does"
         )
+    _pinned.setdefault(key, sig)
     rows = torch.zeros(tp.size, _WIDTH, device=device, dtype=torch.float32)
     rows[tp.rank, :SIG_LIMBS].copy_(sig)
     # Into its own buffer, as the eager agreement does: the same pointer alignment, so the kernel compiled
