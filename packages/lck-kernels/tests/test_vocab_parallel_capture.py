@@ -138,6 +138,8 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
             vp_capture._MAX_REMEMBERED = saved
         assert len(vp_capture._agreed) == 1
         assert all(vp_capture._pinned[k] is v for k, v in pinned.items())
+        ce_call(logits(10), _same(10, n, vocab))  # agreed again: the pinned limbs come back, not a copy
+        assert all(vp_capture._agreed[k] is v for k, v in pinned.items())
         with _simulated_capture():  # 25 tokens were never agreed eagerly
             _expect_error(RuntimeError, lambda: ce_call(logits(5, n + 1), _same(5, n + 1, vocab)), "warm-up")
             # local problems still raise at capture time (here on both ranks, before any communication)

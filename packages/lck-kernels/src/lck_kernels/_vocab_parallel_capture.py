@@ -54,8 +54,11 @@ def remember(group_name: str, values: Sequence[int], device: torch.device) -> No
     if key in _agreed:
         _agreed.move_to_end(key)
         return
-    limbs = [float((sig >> (16 * k)) & 0xFFFF) for k in range(SIG_LIMBS)]
-    _agreed[key] = torch.tensor(limbs, dtype=torch.float32, device=device)
+    if key in _pinned:  # agreed, captured, evicted, agreed again: captures keep reading one tensor
+        _agreed[key] = _pinned[key]
+    else:
+        limbs = [float((sig >> (16 * k)) & 0xFFFF) for k in range(SIG_LIMBS)]
+        _agreed[key] = torch.tensor(limbs, dtype=torch.float32, device=device)
     while len(_agreed) > _MAX_REMEMBERED:
         _agreed.popitem(last=False)
     if str(device) not in _loaded:
