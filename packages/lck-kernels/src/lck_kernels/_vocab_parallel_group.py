@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lck_kernels import _vocab_parallel_capture as capture
-from lck_kernels import _vocab_parallel_kernels as K
+from lck_kernels import _vocab_parallel_digest as D
 from lck_kernels._common import check_tensor
 
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -116,17 +116,17 @@ N_FIELDS = 12
 _FIELD_LIMBS = 4
 _MSG_BYTES = 320
 _HEAD = 3  # has_error, error kind (1 TypeError, 2 ValueError), message length
-_ROW = _HEAD + _MSG_BYTES + N_FIELDS * _FIELD_LIMBS + K.TARGET_FIELDS * K.TARGET_LIMBS
+_ROW = _HEAD + _MSG_BYTES + N_FIELDS * _FIELD_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
 _TARGET_AT = _HEAD + _MSG_BYTES + N_FIELDS * _FIELD_LIMBS
 
 
 def _limbs(value: int) -> list[float]:
     u = (int(value) + (1 << 63)) & ((1 << 64) - 1)
-    return [float((u >> (K.LIMB_BITS * k)) & 0xFFFF) for k in range(_FIELD_LIMBS)]
+    return [float((u >> (D.LIMB_BITS * k)) & 0xFFFF) for k in range(_FIELD_LIMBS)]
 
 
 def _unlimbs(limbs: list[float]) -> int:
-    u = sum(int(x) << (K.LIMB_BITS * k) for k, x in enumerate(limbs))
+    u = sum(int(x) << (D.LIMB_BITS * k) for k, x in enumerate(limbs))
     return u - (1 << 63)
 
 
@@ -188,8 +188,8 @@ def agree(
     buf = torch.zeros(tp.size, _ROW, device=device, dtype=torch.float32)
     buf[tp.rank].copy_(torch.tensor(row, dtype=torch.float32))
     if error is None and target is not None:
-        digest = torch.empty(K.TARGET_FIELDS * K.TARGET_LIMBS, device=target.device, dtype=torch.float32)
-        K.target_digest(target, ignore_index, digest)
+        digest = torch.empty(D.TARGET_FIELDS * D.TARGET_LIMBS, device=target.device, dtype=torch.float32)
+        D.target_digest(target, ignore_index, digest)
         buf[tp.rank, _TARGET_AT:].copy_(digest)
     if tp.size > 1:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
@@ -226,7 +226,7 @@ def _check_targets(op: str, tp: TPGroup, rows: list[list[float]], ignore_index: 
             f"{op}: target differs between the ranks of the tensor-parallel group; every rank must pass "
             f"the same targets (they index the whole vocabulary, not the local shard)"
         )
-    lo, hi, _ = K.decode_target_digest(list(digests[0]))
+    lo, hi, _ = D.decode_target_digest(list(digests[0]))
     if lo <= hi and (lo < 0 or hi >= vocab_size):
         bad_value = lo if lo < 0 else hi
         raise ValueError(

@@ -17,7 +17,7 @@ their tuned launch configurations); this module adds what the group needs around
    of the per-row outputs, writes ``d(loss)/d(logits)`` of the shard; it may write in place over the logits.
 
 ``_vp_scale_kernel`` scales a gradient prepared in the forward by the upstream scalar (no pass at 1.0).
-The target digest that the ops' agreement uses lives in ``_vocab_parallel_digest`` (re-exported here).
+The target digest that the ops' agreement uses lives in ``_vocab_parallel_digest``.
 All row offsets are int64 (rows × vocabulary passes 2^31).
 """
 
@@ -30,14 +30,6 @@ import triton.language as tl
 from lck_kernels._common import next_power_of_2, tuned
 from lck_kernels._cross_entropy_kernels import ce_launch_config
 from lck_kernels._cross_entropy_rows import _ce_row_grad, _ce_row_stats, _f32
-from lck_kernels._vocab_parallel_digest import (  # noqa: F401  (re-exported for the ops' agreement)
-    LIMB_BITS,
-    TARGET_FIELDS,
-    TARGET_LIMBS,
-    TARGET_OFFSET,
-    decode_target_digest,
-    target_digest,
-)
 
 STATS = 5  # m, s, q, sum_z, target_z per (row, shard)
 _M, _S, _Q, _SZ, _ZT = range(STATS)

@@ -97,20 +97,23 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
         )
     if ctx.size == 1 or t.numel() == 0:
         return t
-    if capturing and algorithm == "auto" and not _nccl(ctx):
-        import torch.distributed as dist
+    if capturing:
+        if algorithm == "auto" and not _nccl(ctx):
+            import torch.distributed as dist
 
-        raise ValueError(
-            f"all_reduce_: inside CUDA-graph capture the all-reduce takes NCCL, but the group's backend is "
-            f"{dist.get_backend(ctx.group)}"
-        )
-    if (
-        not capturing
-        and ctx._p2p is not None
-        and (algorithm == "p2p" or (algorithm == "auto" and p2p.auto_takes(ctx.size, t.numel())))
-    ):
+            raise ValueError(
+                f"all_reduce_: inside CUDA-graph capture the all-reduce takes NCCL, but the group's backend is "
+                f"{dist.get_backend(ctx.group)}"
+            )
+        path = "torch"
+    elif algorithm == "auto":
+        one_shot = ctx._p2p is not None and p2p.auto_takes(ctx.size, t.numel())
+        path = "p2p" if one_shot else "nvshmem" if ctx.native else "torch"
+    else:
+        path = algorithm
+    if path == "p2p":
         ctx._p2p(t, op)
-    elif ctx.native and algorithm != "torch" and not capturing:
+    elif path == "nvshmem":
         _nvshmem_all_reduce(ctx, t, op)
     else:
         import torch.distributed as dist

@@ -99,7 +99,9 @@ def destroy_team(group: Any = None) -> None:
             continue
         ctx._invalidate(why)
         own = [getattr(ctx, "_workspace", None), getattr(ctx, "_signals", None)]
-        own += list((getattr(ctx, "_p2p_buffers", None) or (0,))[:-1])  # the reservations, not the slot
+        p2p_buffers = getattr(ctx, "_p2p_buffers", None)
+        if p2p_buffers is not None:
+            own += p2p_buffers[:-1]  # the three reservations; the last item is the slot size
         for res in own:
             if res is not None:
                 st.pool.release(res, nvs)
