@@ -5,7 +5,7 @@
 #
 #   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
-#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, megatron, megatron-bench, demo
+#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -64,6 +64,8 @@ run_stage() {
     runtime-k) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp "${TP:-$NGPU}" --out "$W/results-tp" ;;
+    # TP=N's per-rank shard on the GPUs at hand (a proxy where N GPUs are not lent), for each N in SHARES.
+    tp-share) timeout "$limit" bash -c "for n in ${SHARES:-4 8}; do python3 -m lck_kernels.bench.tp --tp $NGPU --share-of \$n --out $W/results-tp || exit; done" ;;
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;

@@ -64,12 +64,19 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
     # The gloo barrier keeps the host loops in step; the device-side meeting point makes every rank's
     # events start together, so no rank times its wait for a late peer (see time_cuda's ``align``).
     align = device_barrier(group)
-    vs = vocab // world
+    # ``share_of`` = N > world: every rank holds the shard it would hold at TP=N (vocab / N rows), so the
+    # group runs TP=N's per-rank work with this world's collectives; its targets fall in the group's rows.
+    share = cfg.get("share_of") or world
+    vs = vocab // share
+    tag = f"tp{world}" if share == world else f"tp{share}share{world}"
     shape = f"{tokens}x{hidden}->{vocab}"
     gen = torch.Generator(device=dev).manual_seed(1234)
     x = torch.randn(tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_(True)
     w_full = (torch.randn(vocab, hidden, device=dev, generator=gen) / hidden**0.5).to(torch.bfloat16)
     target = torch.randint(0, vocab, (tokens,), device=dev, generator=gen)
+    tp_target = (
+        target if share == world else torch.randint(0, world * vs, (tokens,), device=dev, generator=gen)
+    )
     g_nll = torch.randn(tokens, device=dev, generator=gen)
     g_ent = 0.1 * torch.randn(tokens, device=dev, generator=gen)
     w = w_full[rank * vs : (rank + 1) * vs].clone().requires_grad_(True)
@@ -88,9 +95,11 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
     def measure_tp(provider: str, op, extra: dict[str, Any]) -> None:
         if providers and provider not in providers:
             return
-        fns = dict(zip(("fwd", "fwd_bwd"), _closures(op, x, w, target, g_nll, g_ent, entropy)))
+        fns = dict(zip(("fwd", "fwd_bwd"), _closures(op, x, w, tp_target, g_nll, g_ent, entropy)))
         for mode, fn in fns.items():
-            rec = Record("flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": world, **extra})
+            rec = Record(
+                "flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": world, "share_of": share, **extra}
+            )
             err, loop = None, None
             try:
                 times = time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"], barrier=barrier, align=align)
@@ -111,7 +120,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
             peaks: list[Any] = [None] * world
             dist.all_gather_object(peaks, peak, group=cpu)
             rec.peak_mib = max(peaks)
-            rec.extra["tflop_per_s_per_gpu"] = flops[mode] / world / (rec.median_ms * 1e-3) / 1e12
+            rec.extra["tflop_per_s_per_gpu"] = flops[mode] / share / (rec.median_ms * 1e-3) / 1e12
             records.append(rec)
         torch.cuda.empty_cache()
 
@@ -133,12 +142,12 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
 
     # Correctness once, outside timing: the TP NLL against the single-GPU ops on the whole vocabulary
     # (filled in on rank 0 by _single_gpu).
-    check: dict[str, Any] = {}
+    check: dict[str, Any] = {} if share == world else {"skipped": f"share-of run (vocab / {share} per rank)"}
 
     # 1. torch.distributed (NCCL) reductions: no runtime context yet.
     for mib in cfg["chunk_mib"]:
-        measure_tp(f"lck_tp{world}_nccl", lck_tp(mib), {"chunk_mib": mib})
-        measure_tp(f"lck_tp{world}_nccl_sum", lck_tp(mib, "sum"), {"chunk_mib": mib})
+        measure_tp(f"lck_{tag}_nccl", lck_tp(mib), {"chunk_mib": mib})
+        measure_tp(f"lck_{tag}_nccl_sum", lck_tp(mib, "sum"), {"chunk_mib": mib})
     # 2. The runtime's context (NVSHMEM when it comes up).
     native = configure(
         process_groups={"tp": group},
@@ -147,14 +156,16 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
             max_tokens=tokens, hidden_size=hidden, local_vocab_size=vs, group="tp"
         ),
     )
-    label = f"lck_tp{world}_{'nvshmem' if native else 'runtime'}"
+    label = f"lck_{tag}_{'nvshmem' if native else 'runtime'}"
     for mib in cfg["chunk_mib"]:
         measure_tp(label, lck_tp(mib), {"chunk_mib": mib, "native": native})
         measure_tp(f"{label}_sum", lck_tp(mib, "sum"), {"chunk_mib": mib, "native": native})
     with torch.no_grad():
-        nll_tp = _first(lck_tp(cfg["chunk_mib"][0])(x, w, target))
-    # 3. Liger-Kernel's TP frontend.
+        nll_tp = _first(lck_tp(cfg["chunk_mib"][0])(x, w, target)) if share == world else None
+    # 3. Liger-Kernel's TP frontend (not in a share-of run: the comparison there is with the single GPU).
     try:
+        if share != world:
+            raise ImportError("share-of run")
         from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
             LigerFusedLinearScaledCrossEntropyTPFunction,
         )
@@ -173,12 +184,12 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
                 x, w, t, group, 1.0 / tau, -100, 1, entropy
             )
 
-        measure_tp(f"liger_tp{world}", liger_tp, {"path": path})
+        measure_tp(f"liger_{tag}", liger_tp, {"path": path})
     finalize()
     # The NCCL path again (finalize dropped the runtime context): the GPUs' clocks drift over a long run, so
     # the NVSHMEM rows are compared with NCCL rows timed before and after them.
     for mib in cfg["chunk_mib"]:
-        measure_tp(f"lck_tp{world}_nccl_after", lck_tp(mib), {"chunk_mib": mib})
+        measure_tp(f"lck_{tag}_nccl_after", lck_tp(mib), {"chunk_mib": mib})
 
     # 4. Single GPU, whole vocabulary, rank 0 only (the others wait at the gloo barrier).
     if rank == 0:
@@ -253,7 +264,7 @@ def _single_gpu(cfg, x, w_full, target, g_nll, g_ent, shape, flops, check, nll_t
             except Exception as exc:
                 rec.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             records.append(rec)
-        if provider in ("lck_single", "torch_single"):
+        if nll_tp is not None and provider in ("lck_single", "torch_single"):
             with torch.no_grad():
                 ref = _first(op(x, w, target)).float()
             check[f"tp_vs_{provider}_nll_rel_err"] = ((nll_tp.float() - ref).norm() / ref.norm()).item()
