@@ -224,6 +224,91 @@ def test_matches_float64_reference(reduction, entropy, inverse_temperature, pois
     )  # fmt: skip
 
 
+def _count_logits_gemms(monkeypatch) -> list[int]:
+    """Count the chunk logits GEMMs (``x·Wᵀ``) the engine runs: the schedule, seen from outside."""
+    import lck_kernels._linear_cross_entropy_chunks as chunks
+
+    calls, real = [0], chunks._logits
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(chunks, "_logits", counted)
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(
+    ("entropy", "differentiated"),
+    [
+        (False, ("nll",)),
+        (True, ("nll",)),
+        (False, ("nll", "lse")),
+        (True, ("nll", "entropy")),
+        (True, ("lse",)),
+    ],
+    ids=str,
+)
+def test_reduced_nll_gradient_is_finished_in_the_forward(
+    reduction, entropy, differentiated, monkeypatch, poisoned
+):
+    """sum/mean: the forward runs each chunk's logits once and finishes the NLL's gradient (scaled by the
+    upstream scalar in the backward); only gradients reaching lse/entropy recompute the logits."""
+    n, h, v, chunk = 37, 16, 90, 8  # 5 chunks: 8 + 8 + 8 + 8 + 5
+    x, w, b, t = make_inputs(n, h, v, torch.float32, seed=21, bias=True, ignore_every=4)
+    xa, wa, ba = (a.clone().requires_grad_(True) for a in (x, w, b))
+    gemms = _count_logits_gemms(monkeypatch)
+    out = fused_linear_scaled_cross_entropy(
+        xa, wa, t, bias=ba, inverse_temperature=1.7, return_entropy=entropy, reduction=reduction,
+        max_chunk_tokens=chunk,
+    )  # fmt: skip
+    assert gemms[0] == 5 and out[0].shape == ()
+    gen = torch.Generator(DEVICE).manual_seed(22)
+    g = {"nll": torch.tensor(3.0, device=DEVICE), "lse": torch.randn(n, device=DEVICE, generator=gen)}
+    g["entropy"] = torch.randn(n, device=DEVICE, generator=gen)
+    names = ("nll", "lse", "entropy")
+    torch.autograd.backward([out[names.index(k)] for k in differentiated], [g[k] for k in differentiated])
+    assert gemms[0] == (5 if differentiated == ("nll",) else 10)
+    ref = reference_linear(
+        x, w, t, b, reduction=reduction, inverse_temperature=1.7, mask_ignored_stats=True,
+        g_loss=g["nll"] if "nll" in differentiated else torch.tensor(0.0, device=DEVICE),
+        g_lse=g["lse"] if "lse" in differentiated else None,
+        g_entropy=g["entropy"] if "entropy" in differentiated else None,
+    )  # fmt: skip
+    assert_close(out[0], ref["loss"], torch.float32, name="nll")
+    assert_close(out[1], ref["lse"], torch.float32, name="lse")
+    if entropy:
+        assert_close(out[2], ref["entropy"], torch.float32, name="entropy")
+    assert_close(xa.grad, ref["dx"], torch.float32, name="grad x")
+    assert_close(wa.grad, ref["dw"], torch.float32, name="grad weight", scale=2.0)
+    assert_close(ba.grad, ref["db"], torch.float32, name="grad bias", scale=2.0)
+
+
+def test_reduced_nll_second_backward_is_refused():
+    x, w, _, t = make_inputs(10, 8, 30, torch.float32, seed=23)
+    xa = x.clone().requires_grad_(True)
+    nll, _ = fused_linear_scaled_cross_entropy(xa, w, t, reduction="sum")
+    nll.backward(retain_graph=True)
+    with pytest.raises(
+        RuntimeError, match="fused_linear_scaled_cross_entropy: a buffer saved by the forward"
+    ):
+        nll.backward()
+
+
+def test_reduced_nll_only_the_inputs_that_need_it(monkeypatch):
+    """The weight alone requires grad (x frozen): its gradient is right and x gets none."""
+    x, w, _, t = make_inputs(20, 8, 30, torch.float32, seed=24)
+    wa = w.clone().requires_grad_(True)
+    nll, _ = fused_linear_scaled_cross_entropy(x, wa, t, reduction="mean", inverse_temperature=0.5)
+    nll.backward()
+    ref = reference_linear(
+        x, w, t, reduction="mean", g_loss=torch.tensor(1.0, device=DEVICE), inverse_temperature=0.5
+    )
+    assert_close(wa.grad, ref["dw"], torch.float32, name="grad weight", scale=2.0)
+    assert x.grad is None
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -349,6 +434,19 @@ def test_module():
         LckFusedLinearScaledCrossEntropy(inverse_temperature=-1.0)
 
 
+def test_opcheck():
+    n, h, v = 11, 8, 30
+    x, w, b, t = make_inputs(n, h, v, torch.float32, seed=12, bias=True)
+    torch.library.opcheck(
+        torch.ops.lck.fused_linear_scaled_cross_entropy_fwd.default,
+        (x, w, t, b, -100, 1.5, "mean", True, True, True, True, 4),
+    )
+    with pytest.raises(ValueError, match="lck::fused_linear_scaled_cross_entropy_fwd: inverse_temperature"):
+        torch.ops.lck.fused_linear_scaled_cross_entropy_fwd(
+            x, w, t, b, -100, -1.0, "sum", False, True, True, True, 4
+        )
+
+
 COMPILE_BACKENDS = [
     pytest.param(
         "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
@@ -377,6 +475,34 @@ def test_torch_compile_fullgraph(backend):
     eager = step(x, w)
     eager_grads = torch.autograd.grad(eager, (x, w))
     compiled = torch.compile(step, fullgraph=True, backend=backend)  # any graph break is an error
+    got = compiled(x, w)
+    got_grads = torch.autograd.grad(got, (x, w))
+    check = assert_close if interpreting() else assert_close_on_device
+    check(got, eager, torch.float32, name="objective")
+    check(got_grads[0], eager_grads[0], dtype, name="grad x")
+    check(got_grads[1], eager_grads[1], dtype, name="grad weight")
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_torch_compile_fullgraph_reduced(backend):
+    """An SFT-style objective: the mean NLL (gradient finished in the forward) plus a z-loss on the lse
+    (recomputed in the backward), compiled without graph breaks."""
+    torch._dynamo.reset()
+    n, h, v = (16, 8, 40) if interpreting() else (2048, 4096, 128256)
+    dtype = torch.float32 if interpreting() else torch.bfloat16
+    x, w, _, t = make_inputs(n, h, v, dtype, seed=9)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+
+    def step(hidden, weight):
+        nll, lse = fused_linear_scaled_cross_entropy(
+            hidden, weight, t, inverse_temperature=0.8, reduction="mean"
+        )
+        return 2.0 * nll + 1e-4 * (lse**2).mean()
+
+    eager = step(x, w)
+    eager_grads = torch.autograd.grad(eager, (x, w))
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     got = compiled(x, w)
     got_grads = torch.autograd.grad(got, (x, w))
     check = assert_close if interpreting() else assert_close_on_device

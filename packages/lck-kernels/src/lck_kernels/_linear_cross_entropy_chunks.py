@@ -9,7 +9,8 @@ gradient GEMMs. Two schedules:
   loss and gradient → ``grad_x[chunk] = dlogits·W``, ``grad_W += dlogitsᵀ·x[chunk]``, ``grad_b += Σ_rows
   dlogits``. Three GEMMs per token, no second pass: the backward only multiplies the finished gradients
   by the (scalar) incoming gradient, on the device, exiting at once when it is 1.
-- **recompute** (``forward_stats`` + ``backward_recompute``; ``reduction="none"`` and the scaled op): the
+- **recompute** (``forward_stats`` + ``backward_recompute``; ``reduction="none"``, and the scaled op's
+  lse/entropy outputs when they receive gradients): the
   incoming gradient is one value per token and is known only in the backward, and ``grad_W`` mixes tokens,
   so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
   four GEMMs per token.
@@ -214,24 +215,28 @@ def forward_with_grads(
     need_w: bool,
     need_b: bool,
     chunk: int,
+    entropy: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """(loss, z_loss, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``; float32 losses; unneeded
-    gradients are empty. ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
+    """(loss, z_loss, lse, entropy, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``: float32 losses,
+    the per-token lse and (when ``entropy``, else empty) entropy rows, and the gradients of the reduced loss
+    (unneeded ones empty). ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
     n, v, dev = x.shape[0], weight.shape[0], x.device
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
+    ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
     grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
     applied = torch.empty(n, dtype=torch.float32, device=dev)  # unused by the fused schedule
 
     def row_kernel(s, e, logits):
         launch_fwd(
             logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
-            zloss=zl[s:e] if zl is not None else None, grad=logits, applied=applied[s:e], wrap=False,
+            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, grad=logits,
+            applied=applied[s:e], wrap=False,
         )  # fmt: skip
 
     _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b)
     loss, z = finalize_loss(ce, zl, red, reduction)
-    return loss, z, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+    return loss, z, lse, ent, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
 
 
 def forward_stats(

@@ -70,10 +70,10 @@ def _flce_fwd(
     if reduction == "none":
         raise ValueError(f"{op}: reduction='none' takes the recompute schedule (lck::linear_cross_entropy_*)")
     opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
-    out = forward_with_grads(
+    loss, z, _, _, gx, gw, gb = forward_with_grads(
         x, weight, target, bias, class_weight, opts, reduction, need_x, need_w, need_b, chunk_tokens
     )
-    return (*out, torch.ones(1, dtype=torch.float32, device=x.device))
+    return loss, z, gx, gw, gb, torch.ones(1, dtype=torch.float32, device=x.device)
 
 
 @_flce_fwd.register_fake
