@@ -1,18 +1,22 @@
-"""Several TP and EP partitions of different sizes at once, on 4 and 8 ranks: one scenario, two transports.
+"""Several TP and EP partitions of different sizes at once, on 2, 4 and 8 ranks: one scenario, two transports.
 
 ``_scenario(rank, world, backend_kind)`` is written once and runs
 
 - over gloo on CPU (``backend_kind="gloo"``: the torch.distributed paths, ``configure`` returns False),
-  with 4 and with 8 processes;
-- over NCCL with real NVSHMEM (``backend_kind="nvshmem"``, ``multigpu(4)`` / ``multigpu(8)``: one H200 per
-  process, ``configure`` returns True and every context is native).
+  with 2, 4 and 8 processes;
+- over NCCL with real NVSHMEM (``backend_kind="nvshmem"``, ``multigpu(2)`` / ``multigpu(4)`` /
+  ``multigpu(8)``: one H200 per process, ``configure`` returns True and every context is native).
 
 Layouts (names of the process groups; every group is a uniform strided partition of WORLD):
 
 - 8 ranks: TP2 × EP4 and TP4 × EP2 at once: ``tp2`` {0,1} {2,3} …, ``ep4`` {0,2,4,6} {1,3,5,7},
   ``tp4`` {0..3} {4..7}, ``ep2`` {0,4} {1,5} {2,6} {3,7};
 - 4 ranks: TP2 × EP2 and TP4/EP4: ``tp2`` {0,1} {2,3}, ``ep2`` {0,2} {1,3}, ``tp4`` = ``ep4`` = {0..3}
-  (two names, two ProcessGroup objects, one partition: they share their team and contexts).
+  (two names, two ProcessGroup objects, one partition: they share their team and contexts);
+- 2 ranks (the most a 2-GPU machine holds): ``tp2`` = ``ep2`` = {0,1} and ``tp1`` = ``ep1`` = {0} {1}: both
+  layouts share a partition between their TP and EP names, so destroying either EP team takes a TP
+  context with it (re-created before the final checks). Each half of the world is one rank, so the
+  non-WORLD bootstrap domains hold one PE each.
 
 Phase "world" (bootstrap domain WORLD): three ``configure`` calls with partial cache hits (repeated
 sections and names reuse contexts and reservations, equivalent groups share a context, growth is
@@ -44,6 +48,7 @@ from lck_runtime.testing import error_text, run_workers
 LAYOUTS: dict[int, dict[str, tuple[int, int]]] = {
     8: {"tp2": (2, 1), "ep4": (4, 2), "tp4": (4, 1), "ep2": (2, 4)},
     4: {"tp2": (2, 1), "ep2": (2, 2), "tp4": (4, 1), "ep4": (4, 1)},
+    2: {"tp2": (2, 1), "ep2": (2, 1), "tp1": (1, 1), "ep1": (1, 1)},
 }
 SEED = 20261207
 CPU_ENV = {"LCK_SETUP_TIMEOUT": "120", "LCK_TEST_PG_TIMEOUT": "120"}
@@ -87,8 +92,11 @@ def _names(world: int) -> tuple[str, str, str, str]:
 
 
 def _half_layout(world: int) -> dict[str, tuple[int, int]]:
-    """Partitions inside each half of the world: TP blocks of h/2 ranks, EP pairs at stride h/2."""
+    """Partitions inside each half of the world: TP blocks of h/2 ranks, EP pairs at stride h/2 (one rank
+    per half: everything is that rank)."""
     h = world // 2
+    if h == 1:
+        return {"tp": (1, 1), "ep": (1, 1), "boot": (1, 1)}
     return {"tp": (h // 2, 1), "ep": (2, h // 2), "boot": (h, 1)}
 
 
@@ -351,19 +359,24 @@ def _world_phase(rank: int, world: int, g: dict[str, Any]) -> dict[str, Any]:
     e = {"again": rank}
     ma2.push_forward(e)
     o["epA recreated"] = (ma2 is not ma, ma2.inflight, ma2.pop_forward() is e, ma2.inflight)
+    fa2 = fa
+    if not fa.alive:  # tpA and epA share one partition (2 ranks): its FLSCE context went with the team
+        L.configure(flsce=f1)
+        fa2 = L.flsce_context(tp_a)
+        o["tpA recreated"] = (fa2 is not fa, fa2.alive, _ptr(fa2.scratch) == scratch)
 
     # 9. Every live context, as it stands: facts, reductions, peer views.
-    live = {"fa": fa, "fb": fb2, "ma": ma2, "mb": mb2}
+    live = {"fa": fa2, "fb": fb2, "ma": ma2, "mb": mb2}
     o["facts 2"] = {k: _ctx_facts(v) for k, v in live.items()}
-    o["reduce final"] = _reduce_errors({"fa": fa, "fb": fb2}, 200)
+    o["reduce final"] = _reduce_errors({"fa": fa2, "fb": fb2}, 200)
     o["peer"] = {k: _peer_check(live[k]) for k in ("ma", "mb")}
 
     L.finalize()
     o["after finalize"] = {
-        "alive": [c.alive for c in (fa, fb2, ma2, mb2)],
+        "alive": [c.alive for c in (fa2, fb2, ma2, mb2)],
         "is_native": L.is_native(),
         "lookup": L.flsce_context(tp_a, required=False),
-        "use": error_text(lambda: fa.capacity),
+        "use": error_text(lambda: fa2.capacity),
     }
     return o
 
@@ -423,7 +436,7 @@ def _phase(rank: int, fn: Any) -> tuple[str, Any]:
 
 
 def _scenario(rank: int, world: int, backend_kind: str) -> dict[str, Any]:
-    """The multi-group scenario on ``world`` ranks (4 or 8); ``backend_kind`` is "gloo" or "nvshmem"."""
+    """The multi-group scenario on ``world`` ranks (2, 4 or 8); ``backend_kind`` is "gloo" or "nvshmem"."""
     import torch.distributed as dist
 
     assert world in LAYOUTS and backend_kind in ("gloo", "nvshmem"), (world, backend_kind)
@@ -533,7 +546,7 @@ def _check_world(outs: list[dict[str, Any]], world: int, native: bool) -> None:
         want_m = [
             "ma" if part[n] == layout[ep_a] else "mb" if part[n] == layout[ep_b] else None for n in names
         ]
-        boot_f = "fb" if layout[tp_b] == (world, 1) else None
+        boot_f = "fa" if layout[tp_a] == (world, 1) else "fb" if layout[tp_b] == (world, 1) else None
         assert o["lookups"] == {"flsce": want_f, "moe": want_m, "flsce bootstrap": boot_f}, (
             f"{w}: lookups {o['lookups']} for names {names}, expected flsce {want_f}, moe {want_m}, "
             f"bootstrap {boot_f}"
@@ -562,8 +575,11 @@ def _check_world(outs: list[dict[str, Any]], world: int, native: bool) -> None:
                         w,
                         m,
                     )
-                if layout[tp_b] == layout[ep_b]:
-                    assert fb["team handle"] == mb["team handle"], f"{w}: one partition, two teams"
+                for f_, m_, tp_name, ep_name in ((fa, ma, tp_a, ep_a), (fb, mb, tp_b, ep_b)):
+                    if layout[tp_name] == layout[ep_name]:
+                        assert f_["team handle"] == m_["team handle"], (
+                            f"{w}: {tp_name} and {ep_name} are one partition with two teams"
+                        )
         assert (
             "flsce.max_tokens=128 exceeds the process-wide FLSCE capacity max_tokens=64" in o["growth flsce"]
         ), f"{w}: {o['growth flsce']}"
@@ -605,8 +621,12 @@ def _check_world(outs: list[dict[str, Any]], world: int, native: bool) -> None:
         assert o["epA lifo"] == [True, True, True], f"{w}: epA pops {o['epA lifo']}"
         assert o["epA empty"][0] == 0 and "no retained forward" in o["epA empty"][1], f"{w}: {o['epA empty']}"
         d = o["epA destroyed"]
-        assert d["alive"] is False and d["lookup"] is None and d["others alive"] == (True, True, True), (
-            f"{w}: {d}"
+        shared_a = layout[tp_a] == layout[ep_a]
+        assert (
+            d["alive"] is False and d["lookup"] is None and d["others alive"] == (not shared_a, True, True)
+        ), f"{w}: {d} (tpA shares epA's partition: {shared_a})"
+        assert o.get("tpA recreated") == ((True, True, True) if shared_a else None), (
+            f"{w}: tpA re-created {o.get('tpA recreated')}, shared with epA: {shared_a}"
         )
         for key in ("push", "ranks"):
             assert d[key].startswith(f"RuntimeError: MoE context for group '{ep_a}'"), f"{w}: {key}: {d[key]}"
@@ -703,9 +723,14 @@ def test_layouts_are_uniform_strided_partitions() -> None:
     assert _groups(2, 2, 4, 4) == [(4, 6), (5, 7)]
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_multigroup_gloo(world: int) -> None:
     _run(world, "gloo")
+
+
+@pytest.mark.multigpu(2)
+def test_multigroup_nvshmem_2_gpus() -> None:
+    _run(2, "nvshmem")
 
 
 @pytest.mark.multigpu(4)
