@@ -455,6 +455,19 @@ COMPILE_BACKENDS = [
 ]
 
 
+def _assert_compiled_matches_eager(step, x, w, dtype, backend):
+    """``step(x, w)`` and its gradients, compiled with ``fullgraph=True`` (a graph break is an error),
+    against the eager call."""
+    eager = step(x, w)
+    eager_grads = torch.autograd.grad(eager, (x, w))
+    got = torch.compile(step, fullgraph=True, backend=backend)(x, w)
+    got_grads = torch.autograd.grad(got, (x, w))
+    check = assert_close if interpreting() else assert_close_on_device
+    check(got, eager, torch.float32, name="objective")
+    check(got_grads[0], eager_grads[0], dtype, name="grad x")
+    check(got_grads[1], eager_grads[1], dtype, name="grad weight")
+
+
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(backend):
     """An RL-style objective: advantage-weighted log-probs, an entropy bonus and a small z-loss."""
@@ -472,15 +485,7 @@ def test_torch_compile_fullgraph(backend):
         )
         return (adv * nll).mean() - 0.01 * ent.mean() + 1e-4 * (lse**2).mean()
 
-    eager = step(x, w)
-    eager_grads = torch.autograd.grad(eager, (x, w))
-    compiled = torch.compile(step, fullgraph=True, backend=backend)  # any graph break is an error
-    got = compiled(x, w)
-    got_grads = torch.autograd.grad(got, (x, w))
-    check = assert_close if interpreting() else assert_close_on_device
-    check(got, eager, torch.float32, name="objective")
-    check(got_grads[0], eager_grads[0], dtype, name="grad x")
-    check(got_grads[1], eager_grads[1], dtype, name="grad weight")
+    _assert_compiled_matches_eager(step, x, w, dtype, backend)
 
 
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
@@ -500,12 +505,4 @@ def test_torch_compile_fullgraph_reduced(backend):
         )
         return 2.0 * nll + 1e-4 * (lse**2).mean()
 
-    eager = step(x, w)
-    eager_grads = torch.autograd.grad(eager, (x, w))
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    got = compiled(x, w)
-    got_grads = torch.autograd.grad(got, (x, w))
-    check = assert_close if interpreting() else assert_close_on_device
-    check(got, eager, torch.float32, name="objective")
-    check(got_grads[0], eager_grads[0], dtype, name="grad x")
-    check(got_grads[1], eager_grads[1], dtype, name="grad weight")
+    _assert_compiled_matches_eager(step, x, w, dtype, backend)
