@@ -4,10 +4,12 @@
 - CPU variant (2 gloo processes, Triton's interpreter): capture simulated by reporting the stream as
   capturing, so the capture path runs for real apart from the graph itself: a call with shapes the group
   never agreed on eagerly raises the same error on every rank; after a warm-up the results equal the eager
-  ones; targets that differ between ranks or leave the vocabulary turn loss and lse into NaN.
+  ones; targets that differ between ranks or leave the vocabulary turn loss and lse into NaN; an invalid
+  input, a differing option or a missing eager agreement on one rank alone raises the same error on both.
 - GPU variant (``multigpu(2)``): both ops captured, forward and backward, into real CUDA graphs over NCCL
   and over the runtime's NVSHMEM context, replayed on fresh inputs against eager calls, and replayed with
-  bad targets (NaN on both ranks).
+  bad targets (NaN on both ranks); an invalid input on rank 1 alone during a real capture raises the same
+  error on both ranks (agreed through the group's gloo mirror).
 """
 
 from __future__ import annotations
@@ -193,7 +195,37 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
                     "warm-up",
                 )
 
-    return _sections(rank, [("cold", cold), ("warm", warm), ("bad_targets", bad_targets), ("fused", fused)])
+    def one_rank_wrong() -> dict[str, str]:
+        """Problems on rank 1 alone, met while capturing: every rank raises the same error, at capture."""
+        vp_capture.forget()
+        z, t = logits(11), _same(11, n, vocab)
+        ce_call(z, t)
+        out = {}
+        with _simulated_capture():
+            out["invalid input"] = _expect_error(
+                TypeError, lambda: ce_call(z, t.float() if rank == 1 else t), "rank 1", "rejected", "target"
+            )
+            out["options differ"] = _expect_error(
+                ValueError,
+                lambda: ce(z, t, g, label_smoothing=0.2 if rank == 1 else 0.1),
+                "disagree on label_smoothing",
+            )
+        if rank == 1:
+            vp_capture.forget()  # rank 1 lost its eager agreement; rank 0 still has it
+        with _simulated_capture():
+            out["not agreed on one rank"] = _expect_error(RuntimeError, lambda: ce_call(z, t), "rank(s) [1]")
+        return out
+
+    return _sections(
+        rank,
+        [
+            ("cold", cold),
+            ("warm", warm),
+            ("bad_targets", bad_targets),
+            ("fused", fused),
+            ("one_rank_wrong", one_rank_wrong),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +253,12 @@ def test_bad_targets_in_a_capture_give_nan_on_every_rank(world2) -> None:
 @cpu_variant
 def test_fused_linear_variant_captured_path(world2) -> None:
     _section(world2, "fused")
+
+
+@cpu_variant
+def test_a_problem_on_one_rank_during_capture_raises_the_same_error_on_every_rank(world2) -> None:
+    outs = _section(world2, "one_rank_wrong")
+    assert outs[0] == outs[1], outs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -336,6 +374,17 @@ def _gpu_cases(g, rank: int, world: int) -> dict[str, bool]:
         out[f"flsce_{reduction}_outside_nan"] = bool(
             torch.isnan(outs[0]).all() and torch.isnan(outs[1]).all()
         )
+    # A problem on rank 1 alone met while capturing: every rank raises the same error, nothing hangs.
+    say("a problem on rank 1 alone, during capture")
+    zc, tc = shard_logits(5), targets(5)
+    ce(zc, tc, g, reduction="mean")  # the eager warm-up
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            ce(zc, tc.float() if rank == 1 else tc, g, reduction="mean")
+        out["local_error"] = "<no error>"
+    except TypeError as exc:
+        out["local_error"] = str(exc)
     say("done")
     dist.barrier()
     return out
@@ -369,7 +418,10 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
 def test_gpu_tp2_cuda_graphs_nccl_and_nvshmem() -> None:
     results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=120)
     for name in ("nccl", "nvshmem"):
-        for rank, out in enumerate(_section(results, name)):
-            flags = {k: v for k, v in out.items() if k != "native"}
+        outs = _section(results, name)
+        for rank, out in enumerate(outs):
+            flags = {k: v for k, v in out.items() if k not in ("native", "local_error")}
             assert all(flags.values()) and len(flags) == 4, (name, rank, out)
+        errors = [out["local_error"] for out in outs]
+        assert errors[0] == errors[1] and "rank 1 of the tensor-parallel group rejected" in errors[0], errors
     assert [r["nvshmem"][1]["native"] for r in results] == [True, True], results

@@ -4,9 +4,14 @@ Eagerly, ``_vocab_parallel_group.agree`` gathers every rank's shapes, options an
 them back to the host, so that a mismatch raises the same error on every rank. A CUDA graph cannot hold a
 host read, and a replay reuses the captured shapes and options but not the captured targets. So:
 
+- at capture time the ranks agree on what does not change between replays (each rank's input validity,
+  shapes and options, and whether it agreed on them eagerly before) through a CPU all-reduce on a gloo
+  group with the same members (:func:`host_rows`; the group itself when it is gloo, else a mirror made
+  once per membership at the first eager agreement, outside any capture): a problem on any rank raises
+  the same error on every rank, and nothing is captured;
 - each eager agreement that passes is remembered (:func:`remember`: per group, a hash of the agreed
-  shapes and options), and a captured call must find its own shapes and options there, else it raises at
-  capture time (a graph's warm-up calls agree on them);
+  shapes and options), and a captured call needs its own shapes and options there on every rank (a
+  graph's warm-up calls agree on them; the warm-up also loads the kernels a capture must not load);
 - at every replay the ranks still gather that hash and their target digest, on the device, and
   ``target_verdict`` turns a difference between ranks, or a target outside the vocabulary, into a NaN
   that the op adds to its loss and log-sum-exp (:func:`captured_agreement`), where eager calls raise.
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lck_kernels import _vocab_parallel_digest as D
+from lck_runtime.agreement import setup_timeout
 
 SIG_LIMBS = 4  # a 64-bit signature hash in 16-bit limbs, exact in float32
 _WIDTH = SIG_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
@@ -33,6 +39,8 @@ _agreed: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
 # eviction from ``_agreed`` must not free them.
 _pinned: dict[tuple[str, str, int], torch.Tensor] = {}
 _loaded: set[str] = set()  # devices on which the verdict kernel has run (compiled and loaded) once
+# Members (global ranks) -> the gloo group a capture agrees through, for groups of another backend.
+_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -47,8 +55,52 @@ def _signature(values: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def remember(group_name: str, values: Sequence[int], device: torch.device) -> None:
-    """Record that the ranks of ``group_name`` agreed on a call with these encoded shapes and options."""
+def _host_group(group: dist.ProcessGroup, *, create: bool) -> dist.ProcessGroup | None:
+    """The gloo group with ``group``'s members: ``group`` itself when it is gloo, else a mirror, made when
+    ``create`` (collective over the members only; every member reaches it at the same eager call)."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    members = tuple(dist.get_process_group_ranks(group))
+    if members not in _host_groups and create:
+        import datetime
+
+        _host_groups[members] = dist.new_group(
+            list(members),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=setup_timeout()),
+            use_local_synchronization=True,
+        )
+    return _host_groups.get(members)
+
+
+def host_rows(op: str, tp: Any, row: list[float]) -> list[list[float]]:
+    """Every member's ``row`` (non-negative floats), gathered through the host as a max over a
+    ``[size, len(row)]`` CPU tensor on the group's gloo mirror: legal during a capture, which it leaves
+    untouched."""
+    buf = torch.zeros(tp.size, len(row), dtype=torch.float32)
+    buf[tp.rank] = torch.tensor(row, dtype=torch.float32)
+    if tp.size > 1:
+        host = _host_group(tp.group, create=False)
+        if host is None:  # no eager call on this membership in this process: the warm-up is missing
+            raise RuntimeError(
+                f"{op}: captured before any eager call on the tensor-parallel group {tp.name!r} in this "
+                f"process: call the op once eagerly with the same shapes and options before capturing, as "
+                f"a CUDA-graph warm-up does"
+            )
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=host)
+    return buf.tolist()
+
+
+def agreed_before(group_name: str, values: Sequence[int], device: torch.device) -> bool:
+    """Whether this process remembers an eager agreement of ``group_name`` on these shapes and options."""
+    return (group_name, str(device), _signature(values)) in _agreed
+
+
+def remember(group_name: str, values: Sequence[int], device: torch.device, group=None) -> None:
+    """Record that the ranks of ``group_name`` agreed on a call with these encoded shapes and options
+    (and, given the ``group``, make its gloo mirror for later captures if it has none)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        _host_group(group, create=True)
     sig = _signature(values)
     key = (group_name, str(device), sig)
     if key in _agreed:
@@ -74,32 +126,32 @@ def forget() -> None:
     _agreed.clear()
 
 
+def not_agreed_error(op: str, tp: Any, ranks: list[int]) -> RuntimeError:
+    return RuntimeError(
+        f"{op}: this call is being captured into a CUDA graph with shapes and options that rank(s) {ranks} "
+        f"of the tensor-parallel group {tp.name!r} have not agreed on outside capture (the ranks agree "
+        f"through a host read, which a graph cannot hold, and the warm-up loads the kernels): call the op "
+        f"once eagerly with the same shapes and options before capturing, as a CUDA-graph warm-up does"
+    )
+
+
 def captured_agreement(
     op: str,
     tp: Any,
     values: Sequence[int],
     *,
-    error: BaseException | None,
     target: torch.Tensor,
     ignore_index: int,
     vocab_size: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """The agreement of a call being captured: a 0-D float32 tensor on ``device``, 0.0 when, at replay,
-    every rank has the same call signature and targets and the targets lie in ``[0, vocab_size)``, NaN
-    otherwise. Raises (on this rank, at capture time) when this rank's inputs are invalid or its shapes
-    and options were never agreed eagerly."""
-    if error is not None:
-        raise error  # a local problem: the other ranks cannot learn of it without a host read
+    """The agreement of a call being captured, once the ranks' host agreement passed: a 0-D float32 tensor
+    on ``device``, 0.0 when, at replay, every rank has the same call signature and targets and the targets
+    lie in ``[0, vocab_size)``, NaN otherwise."""
     key = (tp.name, str(device), _signature(values))
     sig = _agreed.get(key)
-    if sig is None:
-        raise RuntimeError(
-            f"{op}: this call is being captured into a CUDA graph with shapes and options that the ranks of "
-            f"the tensor-parallel group {tp.name!r} have not agreed on outside capture (they agree through a "
-            f"host read, which a graph cannot hold): call the op once eagerly with the same shapes and "
-            f"options before capturing, as a CUDA-graph warm-up does"
-        )
+    if sig is None:  # the host agreement checked this on every rank
+        raise not_agreed_error(op, tp, [tp.rank])
     _pinned.setdefault(key, sig)
     rows = torch.zeros(tp.size, _WIDTH, device=device, dtype=torch.float32)
     rows[tp.rank, :SIG_LIMBS].copy_(sig)

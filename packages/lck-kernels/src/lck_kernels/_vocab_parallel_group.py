@@ -148,34 +148,8 @@ def _encode(value: int | float | bool) -> int:
     return _float_bits(value) if isinstance(value, float) else int(value)
 
 
-def agree(
-    op: str,
-    tp: TPGroup,
-    fields: list[Field],
-    *,
-    error: BaseException | None,
-    target: torch.Tensor | None,
-    ignore_index: int,
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Collective over ``tp.group``: raise the same ``TypeError``/``ValueError`` on every rank if any rank
-    rejected its inputs (``error``), if the ranks disagree on any field or on the targets, or if a target
-    lies outside ``[0, vocab_size)`` without being ``ignore_index``. One small all-reduce and a host sync;
-    returns None.
-
-    Inside CUDA-graph capture (no host read possible) the call's fields must have been agreed eagerly
-    before, and the target checks run on the device at every replay: the return value is then a 0-D
-    float32 tensor, 0.0 or NaN, for the op to add to its loss (``_vocab_parallel_capture``).
-    """
-    if len(fields) > N_FIELDS:
-        raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")
-    values = [_encode(f.value) for f in fields]
-    if capture.capturing(device):
-        return capture.captured_agreement(
-            op, tp, values, error=error, target=target, ignore_index=ignore_index,
-            vocab_size=vocab_size, device=device,
-        )  # fmt: skip
+def _row(error: BaseException | None, values: list[int]) -> list[float]:
+    """This rank's agreement row: validity, error kind and message, or the encoded fields (targets: zeros)."""
     row = [0.0] * _ROW
     if error is not None:
         msg = str(error).encode("utf-8", "replace")[:_MSG_BYTES]
@@ -185,16 +159,14 @@ def agree(
         for i, value in enumerate(values):
             at = _HEAD + _MSG_BYTES + i * _FIELD_LIMBS
             row[at : at + _FIELD_LIMBS] = _limbs(value)
-    buf = torch.zeros(tp.size, _ROW, device=device, dtype=torch.float32)
-    buf[tp.rank].copy_(torch.tensor(row, dtype=torch.float32))
-    if error is None and target is not None:
-        digest = torch.empty(D.TARGET_FIELDS * D.TARGET_LIMBS, device=target.device, dtype=torch.float32)
-        D.target_digest(target, ignore_index, digest)
-        buf[tp.rank, _TARGET_AT:].copy_(digest)
-    if tp.size > 1:
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
-    rows = buf.cpu().tolist()
+    return row
 
+
+def _raise_on_rejection_or_disagreement(
+    op: str, tp: TPGroup, fields: list[Field], rows: list[list[float]]
+) -> None:
+    """The same error on every rank (every rank holds the same ``rows``) if any rank rejected its inputs
+    or the ranks disagree on a field."""
     bad = [r for r in range(tp.size) if rows[r][0] > 0]
     if bad:
         r = bad[0]
@@ -213,9 +185,57 @@ def agree(
             raise ValueError(
                 f"{op}: the ranks of the tensor-parallel group disagree on {f.label} ({per_rank})"
             )
+
+
+def agree(
+    op: str,
+    tp: TPGroup,
+    fields: list[Field],
+    *,
+    error: BaseException | None,
+    target: torch.Tensor | None,
+    ignore_index: int,
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Collective over ``tp.group``: raise the same ``TypeError``/``ValueError`` on every rank if any rank
+    rejected its inputs (``error``), if the ranks disagree on any field or on the targets, or if a target
+    lies outside ``[0, vocab_size)`` without being ``ignore_index``. One small all-reduce and a host sync;
+    returns None.
+
+    Inside CUDA-graph capture the validity and fields are agreed through the host on the group's gloo
+    mirror (the same errors on every rank, at capture time; the call's fields must also have been agreed
+    eagerly before, on every rank), and the target checks run on the device at every replay: the return
+    value is then a 0-D float32 tensor, 0.0 or NaN, for the op to add to its loss
+    (``_vocab_parallel_capture``).
+    """
+    if len(fields) > N_FIELDS:
+        raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")
+    values = [_encode(f.value) for f in fields]
+    row = _row(error, values)
+    if capture.capturing(device):
+        agreed = error is None and capture.agreed_before(tp.name, values, device)
+        rows = capture.host_rows(op, tp, [*row[:_TARGET_AT], 1.0 if agreed else 0.0])
+        _raise_on_rejection_or_disagreement(op, tp, fields, rows)
+        missing = [r for r in range(tp.size) if rows[r][-1] == 0.0]
+        if missing:
+            raise capture.not_agreed_error(op, tp, missing)
+        return capture.captured_agreement(
+            op, tp, values, target=target, ignore_index=ignore_index, vocab_size=vocab_size, device=device
+        )
+    buf = torch.zeros(tp.size, _ROW, device=device, dtype=torch.float32)
+    buf[tp.rank].copy_(torch.tensor(row, dtype=torch.float32))
+    if error is None and target is not None:
+        digest = torch.empty(D.TARGET_FIELDS * D.TARGET_LIMBS, device=target.device, dtype=torch.float32)
+        D.target_digest(target, ignore_index, digest)
+        buf[tp.rank, _TARGET_AT:].copy_(digest)
+    if tp.size > 1:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
+    rows = buf.cpu().tolist()
+    _raise_on_rejection_or_disagreement(op, tp, fields, rows)
     if target is not None:
         _check_targets(op, tp, rows, ignore_index, vocab_size)
-    capture.remember(tp.name, values, device)
+    capture.remember(tp.name, values, device, tp.group)
     return None
 
 

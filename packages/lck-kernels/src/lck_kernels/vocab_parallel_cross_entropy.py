@@ -219,8 +219,10 @@ def vocab_parallel_cross_entropy(
     ``TypeError``/``ValueError`` on every rank; so does exceeding the configured capacities.
 
     CUDA graphs: the op can be captured once an eager call with the same shapes and options has run on
-    the group (a warm-up; otherwise capture raises). The ranks cannot raise together at replay, so there a
-    target that differs between ranks or lies outside the vocabulary makes the loss NaN instead.
+    the group (a warm-up; otherwise capture raises). At capture time the local problems and disagreements
+    above (targets aside) still raise the same error on every rank, agreed through the host on a gloo group
+    with the same members (made at the first eager call). The ranks cannot raise together at replay, so
+    there a target that differs between ranks or lies outside the vocabulary makes the loss NaN instead.
     """
     name = group_name_of(OP, group)
     check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))
