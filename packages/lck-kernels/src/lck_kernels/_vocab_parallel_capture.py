@@ -19,6 +19,7 @@ host read, and a replay reuses the captured shapes and options but not the captu
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -62,8 +63,6 @@ def _host_group(group: dist.ProcessGroup, *, create: bool) -> dist.ProcessGroup 
         return group
     members = tuple(dist.get_process_group_ranks(group))
     if members not in _host_groups and create:
-        import datetime
-
         _host_groups[members] = dist.new_group(
             list(members),
             backend="gloo",
@@ -96,7 +95,9 @@ def agreed_before(group_name: str, values: Sequence[int], device: torch.device) 
     return (group_name, str(device), _signature(values)) in _agreed
 
 
-def remember(group_name: str, values: Sequence[int], device: torch.device, group=None) -> None:
+def remember(
+    group_name: str, values: Sequence[int], device: torch.device, group: dist.ProcessGroup | None = None
+) -> None:
     """Record that the ranks of ``group_name`` agreed on a call with these encoded shapes and options
     (and, given the ``group``, make its gloo mirror for later captures if it has none)."""
     if group is not None and dist.get_world_size(group) > 1:
@@ -127,6 +128,7 @@ def forget() -> None:
 
 
 def not_agreed_error(op: str, tp: Any, ranks: list[int]) -> RuntimeError:
+    """The error every rank raises when ``ranks`` never agreed eagerly on the call being captured."""
     return RuntimeError(
         f"{op}: this call is being captured into a CUDA graph with shapes and options that rank(s) {ranks} "
         f"of the tensor-parallel group {tp.name!r} have not agreed on outside capture (the ranks agree "
