@@ -100,13 +100,15 @@ def remember(
 ) -> None:
     """Record that the ranks of ``group_name`` agreed on a call with these encoded shapes and options
     (and, given the ``group``, make its gloo mirror for later captures if it has none)."""
-    if group is not None and dist.get_world_size(group) > 1:
-        _host_group(group, create=True)
     sig = _signature(values)
     key = (group_name, str(device), sig)
-    if key in _agreed:
+    if key in _agreed:  # the steady state of a training loop: one dict lookup
         _agreed.move_to_end(key)
         return
+    # A membership's first agreement is a new key on every member alike (they make the same calls), so
+    # the mirror, a collective over the members, is made at the same call everywhere; later new keys find it.
+    if group is not None and dist.get_world_size(group) > 1:
+        _host_group(group, create=True)
     if key in _pinned:  # agreed, captured, evicted, agreed again: captures keep reading one tensor
         _agreed[key] = _pinned[key]
     else:

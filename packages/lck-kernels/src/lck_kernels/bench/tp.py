@@ -62,25 +62,23 @@ WORKER_ENV = {
 }
 
 
+def _best(records: list[Any], name: str, mode: str) -> Any:
+    """The fastest timed record of provider ``name`` in ``mode`` (over chunk budgets), or None."""
+    hits = [r for r in records if r.provider == name and r.mode == mode and r.median_ms is not None]
+    return min(hits, key=lambda r: r.median_ms) if hits else None
+
+
 def _share_targets(records: list[Any], tp: int, share: int) -> dict[str, Any]:
     """Proxy ratios of a --share-of run: TP=share per-rank work over the single GPU (no verdict)."""
     out: dict[str, Any] = {}
     for suffix in ("", "_sum"):
-        tp_rows = [
-            r
-            for r in records
-            if r.provider
-            in (f"lck_tp{share}share{tp}_nvshmem{suffix}", f"lck_tp{share}share{tp}_runtime{suffix}")
-            and r.mode == "fwd_bwd"
-            and r.median_ms is not None
-        ]
-        single = [
-            r for r in records if r.provider == f"lck_single{suffix}" and r.mode == "fwd_bwd" and r.median_ms
-        ]
-        if tp_rows and single:
-            best = min(tp_rows, key=lambda r: r.median_ms)
-            out[f"{best.provider}_over_lck_single{suffix}_fwd_bwd"] = {
-                "value": best.median_ms / single[0].median_ms,
+        tp_row = _best(records, f"lck_tp{share}share{tp}_nvshmem{suffix}", "fwd_bwd") or _best(
+            records, f"lck_tp{share}share{tp}_runtime{suffix}", "fwd_bwd"
+        )
+        single = _best(records, f"lck_single{suffix}", "fwd_bwd")
+        if tp_row and single:
+            out[f"{tp_row.provider}_over_lck_single{suffix}_fwd_bwd"] = {
+                "value": tp_row.median_ms / single.median_ms,
                 "target": TARGET_RATIO.get(share),
                 "met": None,
                 "proxy": f"TP={share}'s per-rank work on {tp} GPU(s) with {tp}-rank collectives",
@@ -90,8 +88,7 @@ def _share_targets(records: list[Any], tp: int, share: int) -> dict[str, Any]:
 
 def _targets(records: list[Any], tp: int, tokens: int, hidden: int, vocab: int) -> dict[str, Any]:
     def exact(name: str, mode: str) -> Any:
-        hits = [r for r in records if r.provider == name and r.mode == mode and r.median_ms is not None]
-        return min(hits, key=lambda r: r.median_ms) if hits else None
+        return _best(records, name, mode)
 
     out: dict[str, Any] = {}
     # The same mode on both sides: per-token outputs (recompute backward), summed NLL (gradient in forward).
