@@ -5,7 +5,7 @@
 #
 #   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
-#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-bench, demo
+#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -69,6 +69,7 @@ run_stage() {
     megatron) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg megatron" ;;
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;
+    megatron-k) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac > "$W/$stage.log" 2>&1

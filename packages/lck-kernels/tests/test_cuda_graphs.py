@@ -133,3 +133,23 @@ def test_fused_linear_scaled_cross_entropy_in_a_cuda_graph() -> None:
         return nll + 0.1 * lse
 
     _graph_matches_eager(op, make, torch.bfloat16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduced_fused_linear_scaled_cross_entropy_in_a_cuda_graph(reduction: str) -> None:
+    # The reduced path finishes the NLL's gradient inside the forward (divided by a device-side count of
+    # valid tokens for "mean"); the lse term adds a recomputed gradient in the backward. Both must stay on
+    # the device: a host read of the count would fail the capture.
+    def make(gen):
+        x = _randn(gen, 2500, 1024, dtype=torch.bfloat16)
+        w = _randn(gen, 32000, 1024, dtype=torch.bfloat16) * 0.05
+        b = _randn(gen, 32000, dtype=torch.bfloat16) * 0.1
+        return [x, w, b, _targets(gen, 2500, 32000)]
+
+    def op(x, w, b, target):
+        nll, lse = fused_linear_scaled_cross_entropy(
+            x, w, target, bias=b, inverse_temperature=1.25, reduction=reduction, chunk_bytes=64 << 20
+        )
+        return nll + 1e-3 * lse.sum()
+
+    _graph_matches_eager(op, make, torch.bfloat16)
