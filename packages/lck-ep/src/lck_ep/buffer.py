@@ -23,10 +23,12 @@ host synchronisation per fresh dispatch, in the count exchange, which also carri
 argument check. *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
 outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
 first and padding rows after (zero ``recv_x`` rows, ``-1`` indices, ``0`` weights); counts stay on the
-device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. In
-this mode the per-call cross-rank check is skipped (it would need a host read): static parameters were
-agreed when the Buffer was built, and local checks still raise before anything is launched; a
-received count above ``num_worst_tokens`` drops the rows past it (``handle.num_recv_tokens`` tells).
+device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. Eagerly
+this mode skips the per-call cross-rank check (it would need a host round trip): static parameters were
+agreed when the Buffer was built, and local checks still raise before anything is launched. Under a
+CUDA-graph capture the check runs through the host (:mod:`lck_ep.capture`), so a problem on one rank
+raises the same error on every rank at capture time, not a hang at replay. A received count above
+``num_worst_tokens`` drops the rows past it (``handle.num_recv_tokens`` tells).
 
 Backends. Data moves over ``torch.distributed.all_to_all_single`` (gloo on CPU, NCCL on GPU; the
 reference backend). On CUDA the dispatch layout comes from the JIT-compiled layout kernel
@@ -43,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lck_ep import _exchange, reference
+from lck_ep import _exchange, capture, reference
 from lck_ep._construction import check_args, check_group, resolve_device
 
 # Re-exported: lck_ep.benchmark imports it from this module.
@@ -269,12 +271,29 @@ class Buffer:
             error = exc
         if plan is not None and plan.sync_free != sync_free:  # e.g. a synced handle on a sync-free Buffer
             sync_free = plan.sync_free
+        if capture.capturing(self.device):
+            self._agree_in_capture("dispatch", plan, error, sync_free)
+            assert plan is not None
+            return self._dispatch_sync_free(plan)
         if sync_free:
             if error is not None:
                 raise error
             assert plan is not None
             return self._dispatch_sync_free(plan)
         return self._dispatch_synced(plan, error)
+
+    def _agree_in_capture(
+        self, op: str, plan: DispatchPlan | CombinePlan | None, error: BaseException | None, sync_free: bool
+    ) -> None:
+        """Under CUDA-graph capture: the same error on every rank for a problem on any (see
+        :mod:`lck_ep.capture`), and a clear one for a synced call, which must read counts on the host."""
+        capture.agree_in_capture(self.group, error, plan.digest() if plan is not None else None)
+        if not sync_free:  # the digests agreed, so every rank is here
+            raise ValueError(
+                f"{op}: a synced {op} reads the received counts on the host, which a CUDA-graph capture "
+                f"cannot do; capture sync-free calls (Buffer(..., sync_free=True) or dispatch(..., "
+                f"num_worst_tokens=n)) instead"
+            )
 
     def _dispatch_synced(self, plan: DispatchPlan | None, error: BaseException | None) -> DispatchOutput:
         w, e, big_l, r = self.num_ranks, self.num_experts, self.num_local_experts, self.rank
@@ -360,7 +379,9 @@ class Buffer:
             plan = check_combine(self, x, handle, topk_weights, bias)
         except (TypeError, ValueError) as exc:
             error = exc
-        if sync_free:
+        if capture.capturing(self.device):
+            self._agree_in_capture("combine", plan, error, sync_free)
+        elif sync_free:
             if error is not None:
                 raise error
         else:
