@@ -6,8 +6,8 @@ host read, and a replay reuses the captured shapes and options but not the captu
 
 - at capture time the ranks agree on what does not change between replays (each rank's input validity,
   shapes and options, and whether it agreed on them eagerly before) through a CPU all-reduce on a gloo
-  group with the same members (:func:`host_rows`; the group itself when it is gloo, else a mirror made
-  once per membership at the first eager agreement, outside any capture): a problem on any rank raises
+  group with the same members (:func:`host_rows`; ``lck_runtime.host_groups``: the group itself when it
+  is gloo, else a mirror per membership, made here at the first eager agreement, outside any capture): a problem on any rank raises
   the same error on every rank, and nothing is captured;
 - each eager agreement that passes is remembered (:func:`remember`: per group, a hash of the agreed
   shapes and options), and a captured call needs its own shapes and options there on every rank (a
@@ -19,7 +19,6 @@ host read, and a replay reuses the captured shapes and options but not the captu
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lck_kernels import _vocab_parallel_digest as D
-from lck_runtime.agreement import setup_timeout
+from lck_runtime.host_groups import host_group
 
 SIG_LIMBS = 4  # a 64-bit signature hash in 16-bit limbs, exact in float32
 _WIDTH = SIG_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
@@ -40,8 +39,6 @@ _agreed: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
 # eviction from ``_agreed`` must not free them.
 _pinned: dict[tuple[str, str, int], torch.Tensor] = {}
 _loaded: set[str] = set()  # devices on which the verdict kernel has run (compiled and loaded) once
-# Members (global ranks) -> the gloo group a capture agrees through, for groups of another backend.
-_host_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -56,22 +53,6 @@ def _signature(values: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _host_group(group: dist.ProcessGroup, *, create: bool) -> dist.ProcessGroup | None:
-    """The gloo group with ``group``'s members: ``group`` itself when it is gloo, else a mirror, made when
-    ``create`` (collective over the members only; every member reaches it at the same eager call)."""
-    if "gloo" in str(dist.get_backend(group)).lower():
-        return group
-    members = tuple(dist.get_process_group_ranks(group))
-    if members not in _host_groups and create:
-        _host_groups[members] = dist.new_group(
-            list(members),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=setup_timeout()),
-            use_local_synchronization=True,
-        )
-    return _host_groups.get(members)
-
-
 def host_rows(op: str, tp: Any, row: list[float]) -> list[list[float]]:
     """Every member's ``row`` (non-negative floats), gathered through the host as a max over a
     ``[size, len(row)]`` CPU tensor on the group's gloo mirror: legal during a capture, which it leaves
@@ -79,7 +60,7 @@ def host_rows(op: str, tp: Any, row: list[float]) -> list[list[float]]:
     buf = torch.zeros(tp.size, len(row), dtype=torch.float32)
     buf[tp.rank] = torch.tensor(row, dtype=torch.float32)
     if tp.size > 1:
-        host = _host_group(tp.group, create=False)
+        host = host_group(tp.group, create=False)
         if host is None:  # no eager call on this membership in this process: the warm-up is missing
             raise RuntimeError(
                 f"{op}: captured before any eager call on the tensor-parallel group {tp.name!r} in this "
@@ -108,7 +89,7 @@ def remember(
     # A membership's first agreement is a new key on every member alike (they make the same calls), so
     # the mirror, a collective over the members, is made at the same call everywhere; later new keys find it.
     if group is not None and dist.get_world_size(group) > 1:
-        _host_group(group, create=True)
+        host_group(group, create=True)
     if key in _pinned:  # agreed, captured, evicted, agreed again: captures keep reading one tensor
         _agreed[key] = _pinned[key]
     else:
