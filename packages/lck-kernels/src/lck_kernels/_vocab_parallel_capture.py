@@ -7,8 +7,8 @@ host read, and a replay reuses the captured shapes and options but not the captu
 - at capture time the ranks agree on what does not change between replays (each rank's input validity,
   shapes and options, and whether it agreed on them eagerly before) through a CPU all-reduce on a gloo
   group with the same members (:func:`host_rows`; ``lck_runtime.host_groups``: the group itself when it
-  is gloo, else a mirror per membership, made here at the first eager agreement, outside any capture): a problem on any rank raises
-  the same error on every rank, and nothing is captured;
+  is gloo, else a mirror per membership, made here at the first eager agreement, outside any capture): a
+  problem on any rank raises the same error on every rank, and nothing is captured;
 - each eager agreement that passes is remembered (:func:`remember`: per group, a hash of the agreed
   shapes and options), and a captured call needs its own shapes and options there on every rank (a
   graph's warm-up calls agree on them; the warm-up also loads the kernels a capture must not load);
