@@ -1,4 +1,4 @@
-"""``lck_runtime.host_groups``: the gloo group a host-side agreement runs on, per membership.
+"""``lck_runtime.capture.host_group``: the gloo group a host-side agreement runs on, per membership.
 
 Real processes: on the CPU (gloo) a group is its own host group and no mirror is made; over NCCL on two
 GPUs, each membership (the world, and the one-rank halves, made by their members only) gets one gloo
@@ -18,7 +18,7 @@ from lck_runtime.testing import run_workers
 def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lck_runtime import host_groups
+    from lck_runtime import capture
 
     out: dict[str, Any] = {}
     world_group = dist.group.WORLD
@@ -26,13 +26,13 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for members in ([0], [1]):  # each rank makes only its own half (no world-wide new_group call)
         if rank in members:
             half = dist.new_group(members, use_local_synchronization=True)
-    out["before_create"] = host_groups.host_group(world_group, create=False) is None
+    out["before_create"] = capture.host_group(world_group, create=False) is None
     for name, group in (("world", world_group), ("half", half)):
-        host = host_groups.host_group(group)
+        host = capture.host_group(group)
         out[f"{name}_is_self"] = host is group
         out[f"{name}_backend"] = str(dist.get_backend(host))
         out[f"{name}_members"] = dist.get_process_group_ranks(host)
-        out[f"{name}_cached"] = host_groups.host_group(group, create=False) is host
+        out[f"{name}_cached"] = capture.host_group(group, create=False) is host
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t, group=host)
         out[f"{name}_sum"] = float(t)

@@ -6,7 +6,7 @@ matters most: the healthy ranks would finish capturing, and the mistake would su
 replay. So a call made while the current stream is capturing first agrees through the host: every rank
 all-gathers its local verdict and its call digest (:func:`lck_ep.agreement.agree`, CPU tensors) over a gloo
 group with the Buffer group's members, and all of them raise the same error, or none does. That group is
-the Buffer's group when it is gloo, else the members' mirror from ``lck_runtime.host_groups`` (shared with
+the Buffer's group when it is gloo, else the members' mirror from ``lck_runtime.capture`` (shared with
 the other layers), made at their first captured call if no layer made it before: every member reaches
 that call at the same point, captures running the same program on every rank.
 Captures pay a host round trip; replays run no Python, and eager calls are unchanged.
@@ -20,14 +20,10 @@ import torch
 import torch.distributed as dist
 
 from lck_ep.agreement import DIGEST_FIELDS, agree
-from lck_runtime.host_groups import host_group
+from lck_runtime.capture import capturing as capturing  # the Buffer looks it up here; tests patch it
+from lck_runtime.capture import host_group
 
 __all__ = ["agree_in_capture", "capturing"]
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether this call is on CUDA and the current stream is being captured into a graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def agree_in_capture(

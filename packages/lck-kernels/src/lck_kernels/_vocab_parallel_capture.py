@@ -6,7 +6,7 @@ host read, and a replay reuses the captured shapes and options but not the captu
 
 - at capture time the ranks agree on what does not change between replays (each rank's input validity,
   shapes and options, and whether it agreed on them eagerly before) through a CPU all-reduce on a gloo
-  group with the same members (:func:`host_rows`; ``lck_runtime.host_groups``: the group itself when it
+  group with the same members (:func:`host_rows`; ``lck_runtime.capture``: the group itself when it
   is gloo, else a mirror per membership, made here at the first eager agreement, outside any capture): a
   problem on any rank raises the same error on every rank, and nothing is captured;
 - each eager agreement that passes is remembered (:func:`remember`: per group, a hash of the agreed
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lck_kernels import _vocab_parallel_digest as D
-from lck_runtime.host_groups import host_group
+from lck_runtime.capture import capturing as capturing  # the group looks it up here; tests patch it
+from lck_runtime.capture import host_group
 
 SIG_LIMBS = 4  # a 64-bit signature hash in 16-bit limbs, exact in float32
 _WIDTH = SIG_LIMBS + D.TARGET_FIELDS * D.TARGET_LIMBS
@@ -39,11 +40,6 @@ _agreed: OrderedDict[tuple[str, str, int], torch.Tensor] = OrderedDict()
 # eviction from ``_agreed`` must not free them.
 _pinned: dict[tuple[str, str, int], torch.Tensor] = {}
 _loaded: set[str] = set()  # devices on which the verdict kernel has run (compiled and loaded) once
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream of this process is being captured (and the call is on CUDA)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _signature(values: Sequence[int]) -> int:

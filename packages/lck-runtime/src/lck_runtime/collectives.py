@@ -80,9 +80,9 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     check_all_reduce_args(ctx, t, op)
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce_: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    import torch
+    from lck_runtime.capture import capturing as _capturing
 
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(t.device)
     if algorithm == "p2p" and (ctx._p2p is None or capturing):
         why = "it is being captured into a CUDA graph" if ctx._p2p is not None else _no_p2p_reason(ctx)
         raise ValueError(f"all_reduce_: algorithm 'p2p' is not available: {why}")

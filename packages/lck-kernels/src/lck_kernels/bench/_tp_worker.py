@@ -163,14 +163,14 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
     with torch.no_grad():
         nll_tp = _first(lck_tp(cfg["chunk_mib"][0])(x, w, target)) if share == world else None
     # 3. Liger-Kernel's TP frontend (not in a share-of run: the comparison there is with the single GPU).
-    try:
-        if share != world:
-            raise ImportError("share-of run")
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
-            LigerFusedLinearScaledCrossEntropyTPFunction,
-        )
-    except ImportError:
-        LigerFusedLinearScaledCrossEntropyTPFunction = None
+    LigerFusedLinearScaledCrossEntropyTPFunction = None
+    if share == world:
+        try:
+            from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+                LigerFusedLinearScaledCrossEntropyTPFunction,
+            )
+        except ImportError:
+            pass
     if LigerFusedLinearScaledCrossEntropyTPFunction is not None:
         try:
             import liger_kernel.ops.fused_linear_scaled_cross_entropy as lfs

@@ -1,4 +1,5 @@
-"""Gloo groups with the members of another process group, for agreements that must stay on the host.
+"""What the layers need around CUDA-graph capture: whether a call is being captured, and the gloo group
+with the members of its process group, for agreements that must stay on the host.
 
 A call being captured into a CUDA graph cannot read a device value, so the layers above agree on their
 arguments through the host instead: a gloo all-gather among the same members. For a group that is gloo
@@ -14,11 +15,18 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 
 from lck_runtime.agreement import setup_timeout
 
-__all__ = ["host_group"]
+__all__ = ["capturing", "host_group"]
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a call on ``device`` is being captured: it is on CUDA and the current stream is capturing."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
 
 # Members (global ranks, group order) -> their gloo mirror.
 _mirrors: dict[tuple[int, ...], dist.ProcessGroup] = {}
