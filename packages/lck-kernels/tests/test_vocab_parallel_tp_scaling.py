@@ -24,7 +24,9 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   and the reductions take torch.distributed; gloo stages CUDA tensors through the host), with 1024 tokens
   in the headline case so that four float64 references fit one GPU. The GPU kernels
   run at TP4/TP8's shard sizes and every rank's statistics and gradients are combined as at TP4/TP8; the
-  NVSHMEM contexts over 4 and 8 PEs are what it cannot show.
+  NVSHMEM contexts over 4 and 8 PEs are what it cannot show; ``gpu-shared`` runs them: the same scenario
+  with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``; NVSHMEM's limited
+  multiple-PEs-per-GPU mode, the processes of one GPU taking turns on it), ``configure`` returning True.
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
   (``TRITON_INTERPRET=1``): about 50 s on 2 cores. TP8 is not run on CPU: the same scenario on eight
   interpreter processes passed but took 105 s on the 2-core machine (every process pays the interpreter's
@@ -65,6 +67,9 @@ GPU_TIMEOUT = 300
 # 4 or 8 processes on 2 GPUs over gloo: the ranks sharing a GPU take turns, and gloo copies through the host.
 GLOO_GPU_ENV = {"LCK_DISABLE_NVSHMEM": "1", "LCK_TEST_PG_TIMEOUT": "300", "LCK_SETUP_TIMEOUT": "180"}
 GLOO_GPU_TIMEOUT = 360
+# The same sharing with NVSHMEM on: 2 or 4 PEs per GPU (NVSHMEM's limited multiple-PEs-per-GPU mode, no
+# CUDA MPS), the bootstrap and the plain torch.distributed case over gloo (NCCL refuses two ranks on one GPU).
+SHARED_GPU_ENV = {**_TP_GPU_ENV, "LCK_NVSHMEM_SHARED_GPUS": "1", "LCK_SETUP_TIMEOUT": "180"}
 CPU_TIMEOUT = 420
 
 # Per kind: the shapes of each case. ``vocab`` is a multiple of ``world`` (and of ``world // 2`` for the
@@ -75,8 +80,8 @@ CPU_TIMEOUT = 420
 
 
 def _shapes(kind: str, world: int, dev: str = "cpu") -> dict[str, Any]:
-    if kind in ("gpu", "gpu-gloo"):
-        # Shared GPUs (gpu-gloo: up to 4 ranks per GPU, each with its own float64 reference on the whole
+    if kind in ("gpu", "gpu-gloo", "gpu-shared"):
+        # Shared GPUs (gpu-gloo, gpu-shared: up to 4 ranks per GPU, each with its own float64 reference on the whole
         # vocabulary) take a quarter of the tokens; the vocabulary and so the shard sizes stay real.
         vocab, hidden, tokens = 128256, 4096, 4096 if kind == "gpu" else 1024
         return {
@@ -108,13 +113,14 @@ def _shapes(kind: str, world: int, dev: str = "cpu") -> dict[str, Any]:
 
 def _scenario(rank: int, world: int, kind: str) -> dict[str, object]:
     """The TP scaling scenario on ``world`` ranks; ``kind`` is "cpu" (gloo), "gpu" (NCCL + NVSHMEM, a GPU
-    per rank) or "gpu-gloo" (gloo, ranks sharing the GPUs round-robin)."""
+    per rank), "gpu-gloo" (gloo, ranks sharing the GPUs round-robin) or "gpu-shared" (the same sharing,
+    gloo + NVSHMEM with several PEs per GPU)."""
     import torch.distributed as dist
 
     from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
     from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
 
-    if kind == "gpu-gloo":
+    if kind in ("gpu-gloo", "gpu-shared"):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = f"cuda:{torch.cuda.current_device()}" if kind != "cpu" else "cpu"
     shapes = _shapes(kind, world, dev)
@@ -216,6 +222,15 @@ def test_tp8_gpu_real_sizes() -> None:
 def test_tp_gpu_kernels_real_sizes_on_shared_gpus(world: int) -> None:
     results = run_workers(_scenario, world, "gpu-gloo", env=GLOO_GPU_ENV, timeout=GLOO_GPU_TIMEOUT)
     _check(results, world, native=False)
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("world", [4, 8])
+def test_tp_nvshmem_real_sizes_on_shared_gpus(world: int) -> None:
+    """TP4/TP8 through NVSHMEM contexts of 4 and 8 PEs on two GPUs: the teams, symmetric scratch and
+    reductions of those sizes, not their speed (the PEs of one GPU take turns on it)."""
+    results = run_workers(_scenario, world, "gpu-shared", env=SHARED_GPU_ENV, timeout=GLOO_GPU_TIMEOUT)
+    _check(results, world, native=True)
 
 
 def test_shapes_fit_the_configured_capacities() -> None:

@@ -5,7 +5,10 @@
 - over gloo on CPU (``backend_kind="gloo"``: the torch.distributed paths, ``configure`` returns False),
   with 2, 4 and 8 processes;
 - over NCCL with real NVSHMEM (``backend_kind="nvshmem"``, ``multigpu(2)`` / ``multigpu(4)`` /
-  ``multigpu(8)``: one H200 per process, ``configure`` returns True and every context is native).
+  ``multigpu(8)``: one H200 per process, ``configure`` returns True and every context is native);
+- with real NVSHMEM on two GPUs for 4 and 8 ranks (``test_multigroup_nvshmem_shared_gpus``: 2 or 4 PEs per
+  GPU with ``LCK_NVSHMEM_SHARED_GPUS=1``, torch.distributed over gloo since NCCL refuses two ranks on one
+  GPU), where 4- and 8-GPU machines are not at hand.
 
 Layouts (names of the process groups; every group is a uniform strided partition of WORLD):
 
@@ -37,6 +40,7 @@ assertions run here, naming the rank and the phase.
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
@@ -388,12 +392,19 @@ def _halves_phase(rank: int, world: int, boot: Any, h_tp: Any, h_ep: Any) -> dic
 
     F, M = L.FusedLinearCrossEntropyConfig, L.MoEConfig
     o: dict[str, Any] = {}
+    # With PEs sharing GPUs, NVSHMEM names a shared-memory segment per GPU after the PE number of its
+    # first PE, the same in both halves' NVSHMEM jobs: the halves bring NVSHMEM up one after the other.
+    stagger = os.environ.get("LCK_NVSHMEM_SHARED_GPUS") == "1"
+    if stagger and rank >= world // 2:
+        dist.barrier()
     o["configure 1"] = L.configure(
         bootstrap_group=boot,
         process_groups={"tp": h_tp, "ep": h_ep},
         flsce=F(max_tokens=48, hidden_size=16, local_vocab_size=32, group="tp"),
         moe=M(max_tokens=16, hidden_size=16, num_experts=4, top_k=1, max_inflight=2, group="ep"),
     )
+    if stagger and rank < world // 2:
+        dist.barrier()
     o["configure 2"] = L.configure(flsce=F(max_tokens=48, hidden_size=16, local_vocab_size=32))  # the half
     o["is_native"] = L.is_native()
     ft, fh, me = L.flsce_context("tp"), L.flsce_context(None), L.moe_context("ep")
@@ -440,6 +451,10 @@ def _scenario(rank: int, world: int, backend_kind: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     assert world in LAYOUTS and backend_kind in ("gloo", "nvshmem"), (world, backend_kind)
+    if backend_kind == "nvshmem":  # round-robin: several ranks per GPU where the world exceeds the GPUs
+        import torch
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
 
     def mine(groups: list[tuple[int, ...]]) -> Any:
         # new_group is collective over WORLD: every rank creates every group, in the same order.
@@ -688,9 +703,12 @@ def _check_halves(outs: list[dict[str, Any]], world: int, native: bool) -> None:
     _same_everywhere(obs, "other domain", "halves phase")
 
 
-def _run(world: int, backend_kind: str) -> None:
+def _run(world: int, backend_kind: str, *, shared_gpus: bool = False) -> None:
     if backend_kind == "gloo":
         outs = run_workers(_scenario, world, "gloo", timeout=TIMEOUT, env=CPU_ENV)
+    elif shared_gpus:  # NCCL refuses two ranks on one GPU: torch.distributed over gloo, NVSHMEM as usual
+        env = {**NVSHMEM_ENV, "LCK_NVSHMEM_SHARED_GPUS": "1"}
+        outs = run_workers(_scenario, world, "nvshmem", backend="gloo", timeout=TIMEOUT, env=env)
     else:
         outs = run_workers(_scenario, world, "nvshmem", backend="nccl", timeout=TIMEOUT, env=NVSHMEM_ENV)
     native = backend_kind == "nvshmem"
@@ -741,3 +759,12 @@ def test_multigroup_nvshmem_4_gpus() -> None:
 @pytest.mark.multigpu(8)
 def test_multigroup_nvshmem_8_gpus() -> None:
     _run(8, "nvshmem")
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("world", [4, 8])
+def test_multigroup_nvshmem_shared_gpus(world: int) -> None:
+    """The 4- and 8-PE layouts (TP2 × EP4 beside TP4 × EP2 at 8) through real NVSHMEM on two GPUs,
+    2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``): teams, symmetric memory, peer views and
+    reductions of those sizes, not their speed."""
+    _run(world, "nvshmem", shared_gpus=True)

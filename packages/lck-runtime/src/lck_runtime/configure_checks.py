@@ -67,6 +67,7 @@ class Request:
     moe: MoEConfig | None = None
     native: bool = False
     native_reason: str = ""
+    shared_gpus: str | None = None  # LCK_NVSHMEM_SHARED_GPUS as this rank read it (agreed in the plan)
 
 
 def local_request(
@@ -133,6 +134,7 @@ def local_request(
     else:
         req.native, req.native_reason = nv.native_support(req.device)
         if req.native:
+            req.shared_gpus = _env(SHARED_GPUS_ENV)
             status = nv.foreign_init_status()
             if status:
                 raise RuntimeError(
@@ -157,6 +159,7 @@ def local_request(
         "GPU (name, arch, SMs)": hardware,
         "NVSHMEM usable": req.native,
         "NVSHMEM settings": {k: _env(k) for k in nv.AGREED_ENV} if req.native and not st.configured else None,
+        SHARED_GPUS_ENV: req.shared_gpus,
     }
     facts = {
         "ranks": {name: tuple(domain.ranks.index(r) for r in ranks) for name, ranks in req.ranks.items()},
@@ -165,6 +168,12 @@ def local_request(
         "why not native": req.native_reason,
     }
     return req, plan, facts
+
+
+# Opt-in to several bootstrap ranks per GPU (NVSHMEM's multiple-PEs-per-GPU mode), for running 4- and
+# 8-PE layouts on a machine with fewer GPUs. Without CUDA MPS, NVSHMEM runs such a job in its "limited"
+# mode and the processes sharing a GPU take turns on it (time slices), so it is for tests, never speed.
+SHARED_GPUS_ENV = "LCK_NVSHMEM_SHARED_GPUS"
 
 
 def _env(key: str) -> str | None:
@@ -270,7 +279,7 @@ def plan_setup(st: RuntimeState, domain: Domain, req: Request, facts: list[dict[
                 )
         setup.new_moe = old is None
         setup.moe_gpus_per_host = gph
-    if req.native and not st.configured:
+    if req.native and not st.configured and not _shared_gpus_allowed(req.shared_gpus):
         seen: dict[tuple[str, int], int] = {}
         for r, f in enumerate(facts):
             if f["device index"] is None:  # not a CUDA device: nothing to share
@@ -279,7 +288,18 @@ def plan_setup(st: RuntimeState, domain: Domain, req: Request, facts: list[dict[
             if key in seen:
                 raise ValueError(
                     f"configure: bootstrap ranks {seen[key]} and {r} both use cuda:{key[1]} on host {key[0]}; "
-                    "NVSHMEM needs one GPU per process"
+                    f"NVSHMEM needs one GPU per process (set {SHARED_GPUS_ENV}=1 on every rank to run "
+                    "several PEs per GPU, for tests only: they take turns on the GPU)"
                 )
             seen[key] = r
     return setup
+
+
+def _shared_gpus_allowed(value: str | None) -> bool:
+    """The agreed ``LCK_NVSHMEM_SHARED_GPUS`` as a flag; any other value than unset/""/"0"/"1" is refused
+    (after the agreement, so every rank raises the same error)."""
+    if value in (None, "", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"configure: {SHARED_GPUS_ENV}={value!r}: expected 0 or 1")

@@ -1,0 +1,100 @@
+"""Several bootstrap ranks on one GPU: refused unless every rank opts in with LCK_NVSHMEM_SHARED_GPUS=1.
+
+The check itself is a pure function of the agreed reports (``plan_setup``), tested directly with
+reports of ranks sharing a device; the agreement on the variable runs over gloo with the recorder in
+place of nvshmem4py, so the native branch of ``configure`` is taken on CPU. The real shared-GPU runs
+(4 and 8 PEs on two H200s) are in ``test_multigroup.py`` and lck-kernels' TP scaling tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lck_runtime.testing import run_workers
+
+TIMEOUT = 180
+
+
+def _plan(devices: list[tuple[str, int | None]], shared: str | None) -> Any:
+    import torch
+
+    from lck_runtime.agreement import Domain
+    from lck_runtime.configure_checks import Request, plan_setup
+    from lck_runtime.state import RuntimeState
+
+    n = len(devices)
+    req = Request(device=torch.device("cpu"), native=True, shared_gpus=shared)
+    facts = [
+        {"ranks": {}, "host": host, "device index": index, "why not native": ""} for host, index in devices
+    ]
+    return plan_setup(RuntimeState(), Domain(group=None, ranks=tuple(range(n)), local_rank=0), req, facts)
+
+
+def test_ranks_sharing_a_gpu_are_refused_by_default() -> None:
+    for shared in (None, "", "0"):
+        with pytest.raises(ValueError) as info:
+            _plan([("h0", 0), ("h0", 1), ("h0", 0)], shared)
+        msg = str(info.value)
+        assert "bootstrap ranks 0 and 2 both use cuda:0 on host h0" in msg, msg
+        assert "LCK_NVSHMEM_SHARED_GPUS=1" in msg, msg
+
+
+def test_same_index_on_different_hosts_is_not_sharing() -> None:
+    setup = _plan([("h0", 0), ("h1", 0)], None)
+    assert setup.hosts == ["h0", "h1"]
+
+
+def test_opt_in_allows_ranks_sharing_a_gpu() -> None:
+    setup = _plan([("h0", 0), ("h0", 1), ("h0", 0), ("h0", 1)], "1")
+    assert setup.hosts == ["h0"] * 4
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
+def test_opt_in_takes_only_0_or_1(value: str) -> None:
+    with pytest.raises(ValueError, match=f"LCK_NVSHMEM_SHARED_GPUS={value!r}: expected 0 or 1"):
+        _plan([("h0", 0), ("h0", 0)], value)
+
+
+def _agreement(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import lck_runtime as L
+    from lck_runtime import fake_nvshmem
+
+    fake_nvshmem.install(rank, world)
+    out: dict[str, Any] = {}
+    F = L.FusedLinearCrossEntropyConfig
+    os.environ["LCK_NVSHMEM_SHARED_GPUS"] = "1" if rank == 1 else "0"
+    try:
+        L.configure(flsce=F(8, 8, 8))
+    except Exception as exc:
+        out["disagree"] = f"{type(exc).__name__}: {exc}"
+    os.environ["LCK_NVSHMEM_SHARED_GPUS"] = "on"
+    try:
+        L.configure(flsce=F(8, 8, 8))
+    except Exception as exc:
+        out["bad value"] = f"{type(exc).__name__}: {exc}"
+    out["configured after"] = L.flsce_context(required=False) is not None
+    os.environ["LCK_NVSHMEM_SHARED_GPUS"] = "1"
+    out["agreed"] = L.configure(flsce=F(8, 8, 8))
+    L.finalize()
+    return out
+
+
+def test_ranks_must_agree_on_the_opt_in() -> None:
+    outs = run_workers(_agreement, 2, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "60"})
+    for key, want in (
+        (
+            "disagree",
+            "ValueError: configure: ranks disagree on LCK_NVSHMEM_SHARED_GPUS: '0' on ranks [0], '1' on ranks [1]",
+        ),
+        ("bad value", "ValueError: configure: LCK_NVSHMEM_SHARED_GPUS='on': expected 0 or 1"),
+    ):
+        texts = {o.get(key) for o in outs}
+        assert len(texts) == 1, (key, texts)
+        got = texts.pop()
+        assert got is not None and got.startswith(want), (key, got)
+    assert [o["configured after"] for o in outs] == [False, False]
+    assert [o["agreed"] for o in outs] == [True, True]
