@@ -23,6 +23,15 @@ if [ -d .device-wheels ] && [ ! -d "$SITE" ]; then
     > "$W/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
 fi
 export PYTHONPATH=$PWD/packages/lck-runtime/src:$PWD/packages/lck-kernels/src:$PWD/packages/lck-ep/src:$PWD/packages/lck-megatron/src:$SITE
+# MPS=1: a private CUDA MPS control daemon (own pipe and log folders, so only this script's processes
+# use it) for the stages' lifetime, stopped on exit. NVSHMEM needs it to run several PEs per GPU with
+# teams (the shared-GPU tests); the card's settings are not touched.
+if [ -n "${MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/lck-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lck-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d > "$W/mps.log" 2>&1 || echo "MPS daemon did not start (see mps.log)"
+  trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
+fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 summary=$OUT/summary.txt
 : > "$summary"
@@ -92,6 +101,11 @@ for s in "$@"; do
     run_stage "$s"
   fi
 done
+if [ -n "${MPS:-}" ]; then
+  echo quit | nvidia-cuda-mps-control >> "$W/mps.log" 2>&1
+  sleep 1
+  cp -r "$CUDA_MPS_LOG_DIRECTORY" "$W/mps-logs" 2>/dev/null
+fi
 tar -czf "$OUT/results.tgz" -C "$W" . 2>/dev/null
 rm -rf "$W"
 cat "$summary"

@@ -25,8 +25,8 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   in the headline case so that four float64 references fit one GPU. The GPU kernels
   run at TP4/TP8's shard sizes and every rank's statistics and gradients are combined as at TP4/TP8; the
   NVSHMEM contexts over 4 and 8 PEs are what it cannot show; ``gpu-shared`` runs them: the same scenario
-  with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``; NVSHMEM's limited
-  multiple-PEs-per-GPU mode, the processes of one GPU taking turns on it), ``configure`` returning True.
+  with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server that
+  splits each GPU between its processes), ``configure`` returning True.
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
   (``TRITON_INTERPRET=1``): about 50 s on 2 cores. TP8 is not run on CPU: the same scenario on eight
   interpreter processes passed but took 105 s on the 2-core machine (every process pays the interpreter's
@@ -58,7 +58,7 @@ from _tp_helpers import GPU_ENV as _TP_GPU_ENV
 from _tp_helpers import INTERPRET, _expect_error, _section, _sections, _timed
 from test_vocab_parallel_fused_linear_scaled_cross_entropy import _case, _same_messages
 
-from lck_runtime.testing import run_workers
+from lck_runtime.testing import run_workers, shared_gpu_env
 
 CPU_ENV = {"TRITON_INTERPRET": "1", "LCK_TEST_PG_TIMEOUT": "120", "LCK_SETUP_TIMEOUT": "120"}
 GPU_ENV = {**_TP_GPU_ENV, "LCK_SETUP_TIMEOUT": "180"}
@@ -67,9 +67,10 @@ GPU_TIMEOUT = 300
 # 4 or 8 processes on 2 GPUs over gloo: the ranks sharing a GPU take turns, and gloo copies through the host.
 GLOO_GPU_ENV = {"LCK_DISABLE_NVSHMEM": "1", "LCK_TEST_PG_TIMEOUT": "300", "LCK_SETUP_TIMEOUT": "180"}
 GLOO_GPU_TIMEOUT = 360
-# The same sharing with NVSHMEM on: 2 or 4 PEs per GPU (NVSHMEM's limited multiple-PEs-per-GPU mode, no
-# CUDA MPS), the bootstrap and the plain torch.distributed case over gloo (NCCL refuses two ranks on one GPU).
-SHARED_GPU_ENV = {**_TP_GPU_ENV, "LCK_NVSHMEM_SHARED_GPUS": "1", "LCK_SETUP_TIMEOUT": "180"}
+# The same sharing with NVSHMEM on: 2 or 4 PEs per GPU under a CUDA MPS server (``MPS=1 bash ci/device.sh``;
+# without one NVSHMEM cannot create teams and configure says so), torch.distributed over gloo (NCCL refuses
+# two ranks on one GPU).
+SHARED_GPU_ENV = {**_TP_GPU_ENV, "LCK_SETUP_TIMEOUT": "180"}
 CPU_TIMEOUT = 420
 
 # Per kind: the shapes of each case. ``vocab`` is a multiple of ``world`` (and of ``world // 2`` for the
@@ -229,7 +230,8 @@ def test_tp_gpu_kernels_real_sizes_on_shared_gpus(world: int) -> None:
 def test_tp_nvshmem_real_sizes_on_shared_gpus(world: int) -> None:
     """TP4/TP8 through NVSHMEM contexts of 4 and 8 PEs on two GPUs: the teams, symmetric scratch and
     reductions of those sizes, not their speed (the PEs of one GPU take turns on it)."""
-    results = run_workers(_scenario, world, "gpu-shared", env=SHARED_GPU_ENV, timeout=GLOO_GPU_TIMEOUT)
+    env = {**SHARED_GPU_ENV, **shared_gpu_env(world, torch.cuda.device_count())}
+    results = run_workers(_scenario, world, "gpu-shared", env=env, timeout=GLOO_GPU_TIMEOUT)
     _check(results, world, native=True)
 
 

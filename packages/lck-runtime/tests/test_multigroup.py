@@ -7,8 +7,9 @@
 - over NCCL with real NVSHMEM (``backend_kind="nvshmem"``, ``multigpu(2)`` / ``multigpu(4)`` /
   ``multigpu(8)``: one H200 per process, ``configure`` returns True and every context is native);
 - with real NVSHMEM on two GPUs for 4 and 8 ranks (``test_multigroup_nvshmem_shared_gpus``: 2 or 4 PEs per
-  GPU with ``LCK_NVSHMEM_SHARED_GPUS=1``, torch.distributed over gloo since NCCL refuses two ranks on one
-  GPU), where 4- and 8-GPU machines are not at hand.
+  GPU with ``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server, ``MPS=1 bash ci/device.sh``;
+  torch.distributed over gloo since NCCL refuses two ranks on one GPU), where 4- and 8-GPU machines are
+  not at hand.
 
 Layouts (names of the process groups; every group is a uniform strided partition of WORLD):
 
@@ -46,7 +47,7 @@ from typing import Any
 
 import pytest
 
-from lck_runtime.testing import error_text, run_workers
+from lck_runtime.testing import error_text, run_workers, shared_gpu_env
 
 # Partition (size, stride) of each named group, in configure order: first layout (tpA, epA), second (tpB, epB).
 LAYOUTS: dict[int, dict[str, tuple[int, int]]] = {
@@ -392,8 +393,8 @@ def _halves_phase(rank: int, world: int, boot: Any, h_tp: Any, h_ep: Any) -> dic
 
     F, M = L.FusedLinearCrossEntropyConfig, L.MoEConfig
     o: dict[str, Any] = {}
-    # With PEs sharing GPUs, NVSHMEM names a shared-memory segment per GPU after the PE number of its
-    # first PE, the same in both halves' NVSHMEM jobs: the halves bring NVSHMEM up one after the other.
+    # With PEs sharing GPUs, NVSHMEM's setup may name host shared memory after PE numbers (its limited
+    # mode does), the same in both halves' NVSHMEM jobs: the halves bring NVSHMEM up one after the other.
     stagger = os.environ.get("LCK_NVSHMEM_SHARED_GPUS") == "1"
     if stagger and rank >= world // 2:
         dist.barrier()
@@ -707,7 +708,9 @@ def _run(world: int, backend_kind: str, *, shared_gpus: bool = False) -> None:
     if backend_kind == "gloo":
         outs = run_workers(_scenario, world, "gloo", timeout=TIMEOUT, env=CPU_ENV)
     elif shared_gpus:  # NCCL refuses two ranks on one GPU: torch.distributed over gloo, NVSHMEM as usual
-        env = {**NVSHMEM_ENV, "LCK_NVSHMEM_SHARED_GPUS": "1"}
+        import torch
+
+        env = {**NVSHMEM_ENV, **shared_gpu_env(world, torch.cuda.device_count())}
         outs = run_workers(_scenario, world, "nvshmem", backend="gloo", timeout=TIMEOUT, env=env)
     else:
         outs = run_workers(_scenario, world, "nvshmem", backend="nccl", timeout=TIMEOUT, env=NVSHMEM_ENV)

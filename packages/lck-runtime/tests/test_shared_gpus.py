@@ -98,3 +98,48 @@ def test_ranks_must_agree_on_the_opt_in() -> None:
         assert got is not None and got.startswith(want), (key, got)
     assert [o["configured after"] for o in outs] == [False, False]
     assert [o["agreed"] for o in outs] == [True, True]
+
+
+def _limited(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import lck_runtime as L
+    from lck_runtime import fake_nvshmem
+
+    # NVSHMEM reports its limited mode (several PEs per GPU, no MPS) on rank 1 only: it decides per node.
+    rec = fake_nvshmem.install(rank, world, init_status=3 if rank == 1 else 4)
+    os.environ["LCK_NVSHMEM_SHARED_GPUS"] = "1"
+    out: dict[str, Any] = {}
+    try:
+        L.configure(flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["calls"] = list(rec.calls)
+    out["after"] = (L.flsce_context(required=False), L.is_native())
+    return out
+
+
+def test_limited_mode_is_refused_before_any_team() -> None:
+    outs = run_workers(_limited, 2, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "60"})
+    texts = {o.get("error") for o in outs}
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert text is not None and text.startswith(
+        "RuntimeError: configure: NVSHMEM runs several PEs per GPU in its limited mode on bootstrap ranks [1]"
+    ), text
+    assert "nvidia-cuda-mps-control -d" in text and "NVSHMEM was finalized" in text, text
+    for o in outs:
+        assert o["calls"] == [("finalize",)], o["calls"]  # no team split, no allocation
+        assert o["after"] == (None, False), o["after"]
+
+
+def test_shared_gpu_env_splits_each_gpu() -> None:
+    from lck_runtime.testing import shared_gpu_env
+
+    assert shared_gpu_env(8, 2) == {"LCK_NVSHMEM_SHARED_GPUS": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    assert shared_gpu_env(4, 2)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert shared_gpu_env(3, 2)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"  # 2 on the first GPU
+    assert shared_gpu_env(2, 2)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    for bad in ((1, 2), (4, 0)):
+        with pytest.raises(ValueError, match="need world_size >= num_gpus >= 1"):
+            shared_gpu_env(*bad)

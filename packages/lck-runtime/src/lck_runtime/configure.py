@@ -110,6 +110,17 @@ def _bring_up(st: RuntimeState, domain: Domain, req: Request, setup: Setup) -> N
     if any(g is not None for g in got):
         kind, message = summarize_errors(got)
         raise RuntimeError(f"configure: NVSHMEM init failed: {kind}: {message}")
+    if setup.shared_gpus:
+        modes = exchange(domain, "configure (NVSHMEM mode)", st.nvshmem.init_status)
+        limited = [r for r, m in enumerate(modes) if m == nv.STATUS_LIMITED_MPG]
+        if limited:
+            st.nvshmem.finalize()  # collective: every rank got here with NVSHMEM up
+            raise RuntimeError(
+                f"configure: NVSHMEM runs several PEs per GPU in its limited mode on bootstrap ranks {limited} "
+                "(no CUDA MPS server on their GPUs), where it cannot create teams; start one "
+                "(nvidia-cuda-mps-control -d) with the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the processes "
+                "sharing a GPU summing to at most 100, or run one process per GPU (NVSHMEM was finalized)"
+            )
 
 
 def configure(

@@ -171,8 +171,8 @@ def local_request(
 
 
 # Opt-in to several bootstrap ranks per GPU (NVSHMEM's multiple-PEs-per-GPU mode), for running 4- and
-# 8-PE layouts on a machine with fewer GPUs. Without CUDA MPS, NVSHMEM runs such a job in its "limited"
-# mode and the processes sharing a GPU take turns on it (time slices), so it is for tests, never speed.
+# 8-PE layouts on a machine with fewer GPUs. NVSHMEM creates teams there only under a CUDA MPS server
+# (without one, configure refuses after init); the processes of a GPU split it, so it is for tests only.
 SHARED_GPUS_ENV = "LCK_NVSHMEM_SHARED_GPUS"
 
 
@@ -190,6 +190,7 @@ class Setup:
     flsce_partition: Partition | None = None
     moe_partition: Partition | None = None
     moe_gpus_per_host: int = 0
+    shared_gpus: bool = False  # several bootstrap ranks may share a GPU (LCK_NVSHMEM_SHARED_GPUS=1)
     new_flsce: bool = False
     new_moe: bool = False
     hosts: list[str] = field(default_factory=list)
@@ -279,7 +280,8 @@ def plan_setup(st: RuntimeState, domain: Domain, req: Request, facts: list[dict[
                 )
         setup.new_moe = old is None
         setup.moe_gpus_per_host = gph
-    if req.native and not st.configured and not _shared_gpus_allowed(req.shared_gpus):
+    setup.shared_gpus = req.native and not st.configured and _shared_gpus_allowed(req.shared_gpus)
+    if req.native and not st.configured and not setup.shared_gpus:
         seen: dict[tuple[str, int], int] = {}
         for r, f in enumerate(facts):
             if f["device index"] is None:  # not a CUDA device: nothing to share
@@ -288,8 +290,8 @@ def plan_setup(st: RuntimeState, domain: Domain, req: Request, facts: list[dict[
             if key in seen:
                 raise ValueError(
                     f"configure: bootstrap ranks {seen[key]} and {r} both use cuda:{key[1]} on host {key[0]}; "
-                    f"NVSHMEM needs one GPU per process (set {SHARED_GPUS_ENV}=1 on every rank to run "
-                    "several PEs per GPU, for tests only: they take turns on the GPU)"
+                    f"NVSHMEM needs one GPU per process (for tests, {SHARED_GPUS_ENV}=1 on every rank runs "
+                    "several PEs per GPU under a CUDA MPS server)"
                 )
             seen[key] = r
     return setup

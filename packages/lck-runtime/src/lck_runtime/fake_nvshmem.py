@@ -3,7 +3,8 @@
 ``install(rank, world)`` patches ``lck_runtime.nvshmem`` in this (worker) process so that ``configure``
 takes the native path on CPU: teams, symmetric allocations (CPU tensors) and peer views go through a
 :class:`RecordingNvshmem`, which records every collective call in order. ``peer_fails=True`` makes this
-rank's peer views fail, as on a machine whose GPUs cannot map each other's memory.
+rank's peer views fail, as on a machine whose GPUs cannot map each other's memory; ``init_status=3``
+reports NVSHMEM's limited multiple-PEs-per-GPU mode.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 class RecordingNvshmem:
     """Stands in for ``NvshmemOwner`` and records the collective calls one rank makes."""
 
-    def __init__(self, rank: int, n: int, *, peer_fails: bool = False) -> None:
+    def __init__(self, rank: int, n: int, *, peer_fails: bool = False, init_status: int = 2) -> None:
         self.my_pe, self.n_pes, self.alive, self.applied_env = rank, n, True, {}
+        self.init_status = init_status
         self.calls: list[tuple] = []
         self.peer_fails = peer_fails
         self._next = 100
@@ -47,11 +49,12 @@ class RecordingNvshmem:
         self.alive = False
 
 
-def install(rank: int, world: int, *, peer_fails: bool = False) -> RecordingNvshmem:
-    """Route this process's NVSHMEM owner to a fresh recorder; returns it."""
+def install(rank: int, world: int, *, peer_fails: bool = False, init_status: int = 2) -> RecordingNvshmem:
+    """Route this process's NVSHMEM owner to a fresh recorder; returns it. ``init_status`` is the NVSHMEM
+    status the recorder reports (3: several PEs per GPU without MPS)."""
     from lck_runtime import nvshmem as nv
 
-    rec = RecordingNvshmem(rank, world, peer_fails=peer_fails)
+    rec = RecordingNvshmem(rank, world, peer_fails=peer_fails, init_status=init_status)
     nv.native_support = lambda device: (True, "")
     nv.foreign_init_status = lambda: 0
     nv.NvshmemOwner.make_uid = staticmethod(lambda: b"uid")

@@ -38,6 +38,9 @@ AGREED_ENV = (
     "NVSHMEM_REMOTE_TRANSPORT",
     "NVSHMEM_DISABLE_CUDA_VMM",
 )
+# nvshmemx_init_status_t: several PEs share a GPU and no CUDA MPS server runs. NVSHMEM then refuses
+# team creation (it exits the process), so lck stops before creating any team.
+STATUS_LIMITED_MPG = 3
 _MIN_HEAP = 1 << 30  # NVSHMEM's own default heap
 _HEAP_SLACK = 256 << 20  # room for NVSHMEM's internal symmetric state (team psyncs, signals)
 
@@ -132,6 +135,7 @@ class NvshmemOwner:
         self.device_index = device_index
         self.applied_env = applied_env
         self.alive = True
+        self.init_status = 0  # NVSHMEM's init status once up (2 one PE per GPU, 3/4 several, limited/full)
 
     # -- bring-up -------------------------------------------------------------------------------------
     @staticmethod
@@ -169,6 +173,7 @@ class NvshmemOwner:
                 f"{nranks} PEs, PE {rank}"
             )
         _owner = cls(nranks, rank, device_index, applied_env)
+        _owner.init_status = got[0]
         return _owner
 
     # -- teams ----------------------------------------------------------------------------------------

@@ -171,6 +171,17 @@ SINGLE_HOST_NVSHMEM_ENV = {
 }
 
 
+def shared_gpu_env(world_size: int, num_gpus: int) -> dict[str, str]:
+    """What ``world_size`` NVSHMEM ranks sharing ``num_gpus`` GPUs round-robin need: the opt-in
+    (``LCK_NVSHMEM_SHARED_GPUS=1``) and each process's share of its GPU under CUDA MPS, so that the shares
+    on one GPU sum to at most 100 (NVSHMEM creates teams across PEs of one GPU only under MPS, and its
+    synchronising kernels need the PEs of a GPU resident at once)."""
+    if num_gpus < 1 or world_size < num_gpus:
+        raise ValueError(f"shared_gpu_env: need world_size >= num_gpus >= 1, got {world_size} and {num_gpus}")
+    per_gpu = -(-world_size // num_gpus)
+    return {"LCK_NVSHMEM_SHARED_GPUS": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // per_gpu)}
+
+
 def error_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """``'Type: message'`` of what ``fn(*args, **kwargs)`` raised, or ``'<no error>'``: workers return it so
     that the test's assertions, not the worker, say what was expected."""
