@@ -17,7 +17,11 @@ from lck_runtime.testing import run_workers
 TIMEOUT = 180
 
 
-def _plan(devices: list[tuple[str, int | None]], shared: str | None) -> Any:
+def _mps(server: bool = True, share: float | None = None, ignore: bool = False) -> dict[str, Any]:
+    return {"server": server, "active thread percentage": share, "ignore percentage": ignore}
+
+
+def _plan(devices: list[tuple[str, int | None]], shared: str | None, mps: list[Any] | None = None) -> Any:
     import torch
 
     from lck_runtime.agreement import Domain
@@ -25,9 +29,11 @@ def _plan(devices: list[tuple[str, int | None]], shared: str | None) -> Any:
     from lck_runtime.state import RuntimeState
 
     n = len(devices)
+    mps = mps or [_mps(share=100 / n)] * n
     req = Request(device=torch.device("cpu"), native=True, shared_gpus=shared)
     facts = [
-        {"ranks": {}, "host": host, "device index": index, "why not native": ""} for host, index in devices
+        {"ranks": {}, "host": host, "device index": index, "why not native": "", "MPS": m}
+        for (host, index), m in zip(devices, mps)
     ]
     return plan_setup(RuntimeState(), Domain(group=None, ranks=tuple(range(n)), local_rank=0), req, facts)
 
@@ -37,7 +43,7 @@ def test_ranks_sharing_a_gpu_are_refused_by_default() -> None:
         with pytest.raises(ValueError) as info:
             _plan([("h0", 0), ("h0", 1), ("h0", 0)], shared)
         msg = str(info.value)
-        assert "bootstrap ranks 0 and 2 both use cuda:0 on host h0" in msg, msg
+        assert "bootstrap ranks [0, 2] share cuda:0 on host h0" in msg, msg
         assert "LCK_NVSHMEM_SHARED_GPUS=1" in msg, msg
 
 
@@ -46,9 +52,30 @@ def test_same_index_on_different_hosts_is_not_sharing() -> None:
     assert setup.hosts == ["h0", "h1"]
 
 
-def test_opt_in_allows_ranks_sharing_a_gpu() -> None:
+def test_opt_in_allows_ranks_sharing_a_gpu_under_mps() -> None:
     setup = _plan([("h0", 0), ("h0", 1), ("h0", 0), ("h0", 1)], "1")
-    assert setup.hosts == ["h0"] * 4
+    assert setup.hosts == ["h0"] * 4 and setup.shared_gpus
+    # cuda:1 is not shared: its rank needs no server
+    _plan([("h0", 0), ("h0", 0), ("h0", 1)], "1", [_mps(share=50), _mps(share=50), _mps(server=False)])
+
+
+def test_shared_gpu_without_mps_server_is_refused() -> None:
+    devices = [("h0", 0), ("h0", 1), ("h0", 0), ("h0", 1)]
+    mps = [_mps(share=50), _mps(share=50), _mps(server=False, share=50), _mps(share=50)]
+    with pytest.raises(ValueError) as info:
+        _plan(devices, "1", mps)
+    msg = str(info.value)
+    assert "bootstrap ranks [0, 2] share cuda:0 on host h0 but ranks [2] see no CUDA MPS server" in msg, msg
+    assert "nvidia-cuda-mps-control -d" in msg, msg
+
+
+def test_shared_gpu_shares_must_fit_one_gpu() -> None:
+    devices = [("h0", 0)] * 4
+    for shares in ([None] * 4, [25, 25, 25, 26], [50, 50, None, 25]):
+        with pytest.raises(ValueError, match=r"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE .* set it to at most 25"):
+            _plan(devices, "1", [_mps(share=s) for s in shares])
+    _plan(devices, "1", [_mps(share=25)] * 4)
+    _plan(devices, "1", [_mps(ignore=True)] * 4)  # NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
@@ -125,11 +152,11 @@ def test_limited_mode_is_refused_before_any_team() -> None:
     assert len(texts) == 1, texts
     text = texts.pop()
     assert text is not None and text.startswith(
-        "RuntimeError: configure: NVSHMEM runs several PEs per GPU in its limited mode on bootstrap ranks [1]"
+        "RuntimeError: configure: NVSHMEM came up in its limited several-PEs-per-GPU mode on bootstrap ranks [1]"
     ), text
-    assert "nvidia-cuda-mps-control -d" in text and "NVSHMEM was finalized" in text, text
+    assert "restart them under an MPS server" in text, text
     for o in outs:
-        assert o["calls"] == [("finalize",)], o["calls"]  # no team split, no allocation
+        assert o["calls"] == [], o["calls"]  # no team split, no allocation, no finalize
         assert o["after"] == (None, False), o["after"]
 
 

@@ -111,15 +111,16 @@ def _bring_up(st: RuntimeState, domain: Domain, req: Request, setup: Setup) -> N
         kind, message = summarize_errors(got)
         raise RuntimeError(f"configure: NVSHMEM init failed: {kind}: {message}")
     if setup.shared_gpus:
+        # A safety net behind the MPS checks of plan_setup: in its limited mode NVSHMEM exits the process at
+        # the first team split, and on two H200s its finalize there crashed two of four processes as well,
+        # so stop before any team and leave it up.
         modes = exchange(domain, "configure (NVSHMEM mode)", st.nvshmem.init_status)
         limited = [r for r, m in enumerate(modes) if m == nv.STATUS_LIMITED_MPG]
         if limited:
-            st.nvshmem.finalize()  # collective: every rank got here with NVSHMEM up
             raise RuntimeError(
-                f"configure: NVSHMEM runs several PEs per GPU in its limited mode on bootstrap ranks {limited} "
-                "(no CUDA MPS server on their GPUs), where it cannot create teams; start one "
-                "(nvidia-cuda-mps-control -d) with the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the processes "
-                "sharing a GPU summing to at most 100, or run one process per GPU (NVSHMEM was finalized)"
+                f"configure: NVSHMEM came up in its limited several-PEs-per-GPU mode on bootstrap ranks {limited} "
+                "(no usable CUDA MPS server), where it cannot create teams; NVSHMEM stays initialised but "
+                "unusable in these processes: restart them under an MPS server or with one process per GPU"
             )
 
 

@@ -166,6 +166,7 @@ def local_request(
         "host": socket.gethostname(),
         "device index": index,
         "why not native": req.native_reason,
+        "MPS": _mps_state(req.device) if req.shared_gpus == "1" and index is not None else None,
     }
     return req, plan, facts
 
@@ -281,20 +282,70 @@ def plan_setup(st: RuntimeState, domain: Domain, req: Request, facts: list[dict[
         setup.new_moe = old is None
         setup.moe_gpus_per_host = gph
     setup.shared_gpus = req.native and not st.configured and _shared_gpus_allowed(req.shared_gpus)
-    if req.native and not st.configured and not setup.shared_gpus:
-        seen: dict[tuple[str, int], int] = {}
-        for r, f in enumerate(facts):
-            if f["device index"] is None:  # not a CUDA device: nothing to share
-                continue
-            key = (f["host"], f["device index"])
-            if key in seen:
-                raise ValueError(
-                    f"configure: bootstrap ranks {seen[key]} and {r} both use cuda:{key[1]} on host {key[0]}; "
-                    f"NVSHMEM needs one GPU per process (for tests, {SHARED_GPUS_ENV}=1 on every rank runs "
-                    "several PEs per GPU under a CUDA MPS server)"
-                )
-            seen[key] = r
+    if req.native and not st.configured:
+        _check_gpu_sharing(facts, setup.shared_gpus)
     return setup
+
+
+def _check_gpu_sharing(facts: list[dict[str, Any]], allowed: bool) -> None:
+    """One process per GPU, unless sharing is allowed and NVSHMEM can run it: an MPS server on every shared
+    GPU with its processes' active thread percentages summing to at most 100 (NVSHMEM's own condition for
+    its full multiple-PEs-per-GPU mode; in the limited one it exits the process at team creation)."""
+    by_gpu: dict[tuple[str, int], list[int]] = {}
+    for r, f in enumerate(facts):
+        if f["device index"] is not None:  # not a CUDA device: nothing to share
+            by_gpu.setdefault((f["host"], f["device index"]), []).append(r)
+    for (host, index), ranks in by_gpu.items():
+        if len(ranks) < 2:
+            continue
+        where = f"bootstrap ranks {ranks} share cuda:{index} on host {host}"
+        if not allowed:
+            raise ValueError(
+                f"configure: {where}; NVSHMEM needs one GPU per process (for tests, {SHARED_GPUS_ENV}=1 on "
+                "every rank runs several PEs per GPU under a CUDA MPS server)"
+            )
+        mps = [facts[r]["MPS"] for r in ranks]
+        without = [r for r, m in zip(ranks, mps) if not m["server"]]
+        if without:
+            raise ValueError(
+                f"configure: {where} but ranks {without} see no CUDA MPS server: NVSHMEM cannot create teams "
+                "across PEs of one GPU without one; start it (nvidia-cuda-mps-control -d) before the processes "
+                "use CUDA, or run one process per GPU"
+            )
+        shares = [
+            100.0 if m["active thread percentage"] is None else m["active thread percentage"] for m in mps
+        ]
+        if sum(shares) > 100 and not all(m["ignore percentage"] for m in mps):
+            raise ValueError(
+                f"configure: {where} with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE {shares} (unset counts as 100), "
+                "summing to more than 100: NVSHMEM's kernels need every PE of a GPU resident at once; set "
+                f"it to at most {100 // len(ranks)} in each process"
+            )
+
+
+def _mps_state(device: Any) -> dict[str, Any]:
+    """Whether this process sees a CUDA MPS server (asked the way NVSHMEM asks: the control daemon's server
+    list, after this process has a context on ``device``, which starts its server), and its share."""
+    import os
+    import subprocess
+
+    import torch
+
+    torch.cuda.synchronize(device)  # creates the context: MPS starts a server for its first client
+    try:
+        got = subprocess.run(
+            ["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True, text=True, timeout=20
+        )
+        server = got.returncode == 0 and bool(got.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        server = False
+    pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    try:
+        share = None if pct is None else float(pct)
+    except ValueError:
+        share = None
+    ignore = os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "") not in ("", "0")
+    return {"server": server, "active thread percentage": share, "ignore percentage": ignore}
 
 
 def _shared_gpus_allowed(value: str | None) -> bool:
