@@ -48,6 +48,19 @@ def _reference(x, w, target, tau, ignore_index, reduction):
     return nll, lse, entropy
 
 
+def _check_collectives(group: object, where: str) -> None:
+    """A one-shot all-reduce that timed out poisons its output with NaN: report its diagnostic (which
+    member, which epochs) rather than the NaN it left."""
+    from lck_runtime import flsce_context
+
+    ctx = flsce_context(group, required=False)
+    if ctx is not None:
+        try:
+            ctx.check_collectives()
+        except Exception as exc:
+            raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
 def _case(
     group,
     *,
@@ -111,8 +124,10 @@ def _case(
     assert isinstance(outs, tuple) and len(outs) == 3, (
         f"return_entropy=True must give 3 outputs, got {len(outs)}"
     )
+    _check_collectives(group, "forward")
     picked = [i for i, n in enumerate(OUTPUTS) if n in grads]
     torch.autograd.backward([outs[i] for i in picked], [ups[OUTPUTS[i]].float() for i in picked])
+    _check_collectives(group, "backward")
 
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     refs = _reference(xr, wr, target, tau, ignore_index, reduction)
