@@ -17,6 +17,8 @@ export PYTHONUNBUFFERED=1
 # The device copy may lack usable git metadata: callers pass LCK_COMMIT; otherwise ask git quietly.
 export LCK_COMMIT=${LCK_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 export LCK_JIT_CACHE_DIR=/tmp/lck-jit EP_JIT_CACHE_DIR=/tmp/lck-ep-jit
+# Multi-process test workers still running after LCK_TEST_STACK_AFTER s leave their Python stacks here.
+export LCK_TEST_STACK_DIR=${LCK_TEST_STACK_DIR:-$W/stacks}
 SITE=/tmp/lck-site
 if [ -d .device-wheels ] && [ ! -d "$SITE" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .device-wheels/*.whl \
@@ -50,7 +52,8 @@ pytest_pkg() {  # package [pytest args...]: single-GPU tests in parallel workers
 run_stage() {
   local stage=${1%%:*} limit=${1#*:}
   [ "$limit" = "$1" ] && limit=300
-  local t0=$SECONDS rc
+  local t0=$SECONDS rc log=$W/$stage.log
+  [ -e "$log" ] && log=$W/$stage.$t0.log  # a stage run twice keeps both logs
   echo "=== $stage (limit ${limit}s, $NGPU GPUs)" | tee -a "$summary"
   case $stage in
     probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "from lck_runtime.doctor import collect, _render; print(_render(collect()))"' ;;
@@ -81,10 +84,10 @@ run_stage() {
     megatron-k) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     *) echo "unknown stage $stage"; return 2 ;;
-  esac > "$W/$stage.log" 2>&1
+  esac > "$log" 2>&1
   rc=$?
   echo "--- $stage: rc=$rc in $((SECONDS - t0))s" | tee -a "$summary"
-  tail -n 25 "$W/$stage.log" >> "$summary"
+  tail -n 25 "$log" >> "$summary"
 }
 
 for s in "$@"; do

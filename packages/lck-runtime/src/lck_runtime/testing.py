@@ -5,7 +5,9 @@
 ``fn(rank, world_size, *args)`` and returns the per-rank results. Every join is bounded: a rank that
 hangs fails the call with a :class:`WorkerTimeout` naming it instead of stalling the whole run, and a
 rank that raises re-raises here as :class:`WorkerError` carrying each failing rank's traceback.
-``fn`` must be importable by module path (a top-level function of a test module is).
+``fn`` must be importable by module path (a top-level function of a test module is). With
+``LCK_TEST_STACK_DIR`` set, a worker still running after ``LCK_TEST_STACK_AFTER`` seconds (default 120) dumps
+every thread's Python stack into a file there: what a stalled rank was doing when the run is killed.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def _entry(
 ) -> None:
     os.environ.update(env)
     os.environ.setdefault("LCK_TEST_RANK", str(rank))
+    stacks = os.environ.get("LCK_TEST_STACK_DIR")
+    if stacks:  # a worker still running after LCK_TEST_STACK_AFTER s writes every thread's Python stack there
+        import faulthandler
+
+        os.makedirs(stacks, exist_ok=True)
+        sink = open(os.path.join(stacks, f"rank{rank}-of-{world_size}-pid{os.getpid()}.txt"), "w")
+        faulthandler.dump_traceback_later(float(os.environ.get("LCK_TEST_STACK_AFTER", "120")), file=sink)
     try:
         import torch
         import torch.distributed as dist
