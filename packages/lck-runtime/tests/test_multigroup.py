@@ -47,7 +47,7 @@ from typing import Any
 
 import pytest
 
-from lck_runtime.testing import error_text, run_workers, shared_gpu_env
+from lck_runtime.testing import SHARED_GPU_SKIP, error_text, mps_daemon_running, run_workers, shared_gpu_env
 
 # Partition (size, stride) of each named group, in configure order: first layout (tpA, epA), second (tpB, epB).
 LAYOUTS: dict[int, dict[str, tuple[int, int]]] = {
@@ -770,4 +770,6 @@ def test_multigroup_nvshmem_shared_gpus(world: int) -> None:
     """The 4- and 8-PE layouts (TP2 × EP4 beside TP4 × EP2 at 8) through real NVSHMEM on two GPUs,
     2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``): teams, symmetric memory, peer views and
     reductions of those sizes, not their speed."""
+    if not mps_daemon_running():
+        pytest.skip(SHARED_GPU_SKIP)
     _run(world, "nvshmem", shared_gpus=True)

@@ -191,6 +191,37 @@ def shared_gpu_env(world_size: int, num_gpus: int) -> dict[str, str]:
     return {"LCK_NVSHMEM_SHARED_GPUS": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // per_gpu)}
 
 
+def mps_daemon_running() -> bool:
+    """Whether a CUDA MPS control daemon answers on this machine (``CUDA_MPS_PIPE_DIRECTORY`` as set): the
+    shared-GPU NVSHMEM tests need one and skip, saying how to start it, without."""
+    import random
+    import subprocess
+
+    for attempt in range(5):  # the daemon drops queries that arrive while it answers another
+        try:
+            got = subprocess.run(
+                ["nvidia-cuda-mps-control"],
+                input="get_server_list\n",
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except FileNotFoundError:
+            return False
+        except (OSError, subprocess.SubprocessError):
+            got = None
+        if got is not None and got.returncode == 0:
+            return True
+        time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
+    return False
+
+
+SHARED_GPU_SKIP = (
+    "needs a CUDA MPS control daemon for several NVSHMEM PEs per GPU: MPS=1 bash ci/device.sh runtime-k/tp-k "
+    "with KSEL=shared_gpus starts a private one"
+)
+
+
 def error_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """``'Type: message'`` of what ``fn(*args, **kwargs)`` raised, or ``'<no error>'``: workers return it so
     that the test's assertions, not the worker, say what was expected."""
