@@ -28,7 +28,7 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server that
   splits each GPU between its processes), ``configure`` returning True. Each TP size needs a fresh MPS
   server: ``MPS=1 KSEL="tp_nvshmem_real_sizes_on_shared_gpus and 8" bash ci/device.sh tp-k`` (one daemon per
-  call). Run after the TP4 case in the same server, TP8 failed in three of three runs on two H200s: in the
+  call). Run after the TP4 case in the same server, TP8 failed in four of four runs on two H200s: in the
   fp32 case one rank's one-shot all-reduce timed out (30 s) waiting for a peer that had not started its
   kernel, while the other ranks, which did get every peer's data, then waited for it in NVSHMEM's gradient
   reduction; with a fresh server it passed. The cause inside MPS was not found.
