@@ -173,7 +173,7 @@ def local_request(
 
 # Opt-in to several bootstrap ranks per GPU (NVSHMEM's multiple-PEs-per-GPU mode), for running 4- and
 # 8-PE layouts on a machine with fewer GPUs. NVSHMEM creates teams there only under a CUDA MPS server
-# (without one, configure refuses after init); the processes of a GPU split it, so it is for tests only.
+# (configure checks for one before NVSHMEM starts); the processes of a GPU split it: for tests only.
 SHARED_GPUS_ENV = "LCK_NVSHMEM_SHARED_GPUS"
 
 
