@@ -170,3 +170,25 @@ def test_shared_gpu_env_splits_each_gpu() -> None:
     for bad in ((1, 2), (4, 0)):
         with pytest.raises(ValueError, match="need world_size >= num_gpus >= 1"):
             shared_gpu_env(*bad)
+
+
+@pytest.mark.parametrize(
+    ("script", "want"),
+    [
+        ("echo 1178", ["1178"]),  # a daemon with one server
+        ("exit 0", []),  # a daemon, no server started yet
+        ("exit 1", None),  # no daemon answers
+        (None, None),  # no MPS on this machine
+    ],
+)
+def test_mps_servers_asks_the_control_daemon(
+    script: str | None, want: list[str] | None, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lck_runtime.nvshmem import mps_servers
+
+    if script is not None:
+        fake = tmp_path / "nvidia-cuda-mps-control"
+        fake.write_text(f"#!/bin/sh\ncat > /dev/null\n{script}\n")
+        fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert mps_servers(attempts=2) == want

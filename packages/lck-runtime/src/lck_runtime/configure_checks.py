@@ -327,33 +327,11 @@ def _mps_state(device: Any) -> dict[str, Any]:
     """Whether this process sees a CUDA MPS server (asked the way NVSHMEM asks: the control daemon's server
     list, after this process has a context on ``device``, which starts its server), and its share."""
     import os
-    import random
-    import subprocess
-    import time
 
     import torch
 
     torch.cuda.synchronize(device)  # creates the context: MPS starts a server for its first client
-    server = False
-    # The control daemon serves one query at a time and drops connections that arrive meanwhile (seen on
-    # H200 with eight ranks asking at once): retry with random spacing before concluding there is none.
-    for attempt in range(8):
-        try:
-            got = subprocess.run(
-                ["nvidia-cuda-mps-control"],
-                input="get_server_list\n",
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-        except FileNotFoundError:
-            break  # no MPS on this machine
-        except (OSError, subprocess.SubprocessError):
-            got = None
-        if got is not None and got.returncode == 0 and got.stdout.strip():
-            server = True
-            break
-        time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
+    server = bool(nv.mps_servers())
     pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     try:
         share = None if pct is None else float(pct)

@@ -23,6 +23,7 @@ __all__ = [
     "apply_env",
     "env_defaults",
     "foreign_init_status",
+    "mps_servers",
     "native_support",
     "owner",
     "status",
@@ -93,6 +94,38 @@ def foreign_init_status() -> int:
         return 0
     code = int(_core().init_status())
     return 0 if code == _status_after_finalize else code
+
+
+def mps_servers(attempts: int = 8) -> list[str] | None:
+    """The CUDA MPS servers the control daemon lists (``CUDA_MPS_PIPE_DIRECTORY`` as set), asked the way
+    NVSHMEM asks when several PEs share a GPU: their PIDs, ``[]`` when the daemon answers with none, ``None``
+    when no daemon answers. The daemon serves one query at a time and drops connections that arrive
+    meanwhile (seen on H200 with eight ranks asking at once), so a failed or empty answer is asked again
+    after a random pause before it counts."""
+    import random
+    import subprocess
+    import time
+
+    answered = False
+    for attempt in range(attempts):
+        try:
+            got = subprocess.run(
+                ["nvidia-cuda-mps-control"],
+                input="get_server_list\n",
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except FileNotFoundError:
+            return None  # no MPS on this machine
+        except (OSError, subprocess.SubprocessError):
+            got = None
+        if got is not None and got.returncode == 0:
+            answered = True
+            if got.stdout.split():
+                return got.stdout.split()
+        time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
+    return [] if answered else None
 
 
 def env_defaults(*, single_host: bool, heap_bytes: int) -> dict[str, str]:

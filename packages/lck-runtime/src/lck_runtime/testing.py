@@ -194,26 +194,9 @@ def shared_gpu_env(world_size: int, num_gpus: int) -> dict[str, str]:
 def mps_daemon_running() -> bool:
     """Whether a CUDA MPS control daemon answers on this machine (``CUDA_MPS_PIPE_DIRECTORY`` as set): the
     shared-GPU NVSHMEM tests need one and skip, saying how to start it, without."""
-    import random
-    import subprocess
+    from lck_runtime.nvshmem import mps_servers
 
-    for attempt in range(5):  # the daemon drops queries that arrive while it answers another
-        try:
-            got = subprocess.run(
-                ["nvidia-cuda-mps-control"],
-                input="get_server_list\n",
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-        except FileNotFoundError:
-            return False
-        except (OSError, subprocess.SubprocessError):
-            got = None
-        if got is not None and got.returncode == 0:
-            return True
-        time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
-    return False
+    return mps_servers(attempts=5) is not None
 
 
 SHARED_GPU_SKIP = (
