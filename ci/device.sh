@@ -3,9 +3,10 @@
 # logs and result files under $OUT (at most a few files come back, so everything goes in one tarball
 # plus a summary).
 #
-#   bash ci/device.sh [STAGE[:SECONDS]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
+#   bash ci/device.sh [STAGE[:SECONDS][~KSEL]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
-#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo
+#           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
+#           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -50,12 +51,14 @@ pytest_pkg() {  # package [pytest args...]: single-GPU tests in parallel workers
   return $rc
 }
 
-run_stage() {
-  local stage=${1%%:*} limit=${1#*:}
-  [ "$limit" = "$1" ] && limit=300
+run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test selection
+  local spec=${1%%\~*}
+  local stage=${spec%%:*} limit=${spec#*:}
+  [ "$limit" = "$spec" ] && limit=300
+  [ "$spec" != "$1" ] && local KSEL=${1#*\~}
   local t0=$SECONDS rc log=$W/$stage.log
   [ -e "$log" ] && log=$W/$stage.$t0.log  # a stage run twice keeps both logs
-  echo "=== $stage (limit ${limit}s, $NGPU GPUs)" | tee -a "$summary"
+  echo "=== $stage (limit ${limit}s, $NGPU GPUs${KSEL:+, KSEL=$KSEL})" | tee -a "$summary"
   case $stage in
     probe) timeout "$limit" bash -c 'nvidia-smi; python3 -c "from lck_runtime.doctor import collect, _render; print(_render(collect()))"' ;;
     runtime) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg runtime" ;;
@@ -83,6 +86,11 @@ run_stage() {
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;
     megatron-k) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
+    # MPS=1 diagnostics: the daemon's servers, each server's clients, and the processes still alive.
+    mps) timeout "$limit" bash -c 'for s in $(echo get_server_list | nvidia-cuda-mps-control); do
+        echo "server $s, clients: $(echo "get_client_list $s" | nvidia-cuda-mps-control | tr "\n" " ")"; done
+        echo get_device_client_list | nvidia-cuda-mps-control; ps -eo pid,ppid,stat,etime,args | grep -E "python|mps" | grep -v grep' ;;
+    mps-restart) echo quit | nvidia-cuda-mps-control; sleep 2; nvidia-cuda-mps-control -d; sleep 1; echo get_server_list | nvidia-cuda-mps-control ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac > "$log" 2>&1
