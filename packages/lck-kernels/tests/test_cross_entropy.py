@@ -626,32 +626,32 @@ def test_rows_beyond_int32_offsets():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _bad_calls():
-    x = torch.randn(4, 10, device=DEVICE)
-    t = torch.randint(0, 10, (4,), device=DEVICE)
+def _bad_calls(device: str = DEVICE):
+    x = torch.randn(4, 10, device=device)
+    t = torch.randint(0, 10, (4,), device=device)
     return [
         ("logits", TypeError, lambda: cross_entropy(x.tolist(), t)),
         ("logits", TypeError, lambda: cross_entropy(x.to(torch.int32), t)),
         ("logits", ValueError, lambda: cross_entropy(x.to("meta"), t)),
         ("logits", ValueError, lambda: cross_entropy(x.view(2, 2, 10), t)),
-        ("logits", ValueError, lambda: cross_entropy(x.t(), torch.randint(0, 4, (10,), device=DEVICE))),
+        ("logits", ValueError, lambda: cross_entropy(x.t(), torch.randint(0, 4, (10,), device=device))),
         ("logits", ValueError, lambda: cross_entropy(x[:, :0], t)),
         ("target", TypeError, lambda: cross_entropy(x, t.float())),
         ("target", ValueError, lambda: cross_entropy(x, t[:3])),
         ("target", ValueError, lambda: cross_entropy(x, t.view(2, 2))),
-        ("target", ValueError, lambda: cross_entropy(x, torch.randint(0, 10, (8,), device=DEVICE)[::2])),
+        ("target", ValueError, lambda: cross_entropy(x, torch.randint(0, 10, (8,), device=device)[::2])),
         ("target", ValueError, lambda: cross_entropy(x, t.to("meta"))),
-        ("weight", ValueError, lambda: cross_entropy(x, t, weight=torch.rand(9, device=DEVICE))),
+        ("weight", ValueError, lambda: cross_entropy(x, t, weight=torch.rand(9, device=device))),
         (
             "weight",
             TypeError,
-            lambda: cross_entropy(x, t, weight=torch.ones(10, device=DEVICE, dtype=torch.int64)),
+            lambda: cross_entropy(x, t, weight=torch.ones(10, device=device, dtype=torch.int64)),
         ),
-        ("weight", ValueError, lambda: cross_entropy(x, t, weight=torch.rand(20, device=DEVICE)[::2])),
+        ("weight", ValueError, lambda: cross_entropy(x, t, weight=torch.rand(20, device=device)[::2])),
         (
             "weight",
             ValueError,
-            lambda: cross_entropy(x, t, weight=torch.rand(10, device=DEVICE, requires_grad=True)),
+            lambda: cross_entropy(x, t, weight=torch.rand(10, device=device, requires_grad=True)),
         ),
         ("ignore_index", TypeError, lambda: cross_entropy(x, t, ignore_index=1.5)),
         ("label_smoothing", ValueError, lambda: cross_entropy(x, t, label_smoothing=1.5)),
@@ -666,7 +666,9 @@ def _bad_calls():
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls())))
+# Counted on CPU tensors: collection (and every spawned test worker that imports this module) must not
+# create a CUDA context, which would land on GPU 0 before the worker picks its own device.
+@pytest.mark.parametrize("i", range(len(_bad_calls("cpu"))))
 def test_bad_input_names_the_argument(i):
     name, exc, call = _bad_calls()[i]
     with pytest.raises(exc, match=rf"cross_entropy: {name}\b"):
