@@ -26,12 +26,15 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   run at TP4/TP8's shard sizes and every rank's statistics and gradients are combined as at TP4/TP8; the
   NVSHMEM contexts over 4 and 8 PEs are what it cannot show; ``gpu-shared`` runs them: the same scenario
   with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server that
-  splits each GPU between its processes), ``configure`` returning True. Each TP size needs a fresh MPS
-  server: ``MPS=1 KSEL="tp_nvshmem_real_sizes_on_shared_gpus and 8" bash ci/device.sh tp-k`` (one daemon per
-  call). Run after the TP4 case in the same server, TP8 failed in four of four runs on two H200s: in the
-  fp32 case one rank's one-shot all-reduce timed out (30 s) waiting for a peer that had not started its
-  kernel, while the other ranks, which did get every peer's data, then waited for it in NVSHMEM's gradient
-  reduction; with a fresh server it passed. The cause inside MPS was not found.
+  splits each GPU between its processes), ``configure`` returning True:
+  ``MPS=1 bash ci/device.sh "tp-k~tp_nvshmem_real_sizes_on_shared_gpus and 8"``. On two H200s the TP8 run
+  passes only while the compile caches are cold: it passed as the first run on a freshly started machine
+  and again after Triton's and lck's JIT caches were deleted, and failed every time it ran with them warm
+  (after the TP4 case, after itself, with a new MPS daemon, with /dev/shm empty). In the failing runs a
+  few ranks wait, until the worker timeout, in the synchronize after the fp32 case's forward (earlier runs: a one-shot
+  all-reduce that timed out waiting for a peer's kernel), while the rest finish every case. The cause was
+  not found; it has only been seen with PEs sharing a GPU under MPS (the TP2 tests, one PE per GPU, have
+  not shown it).
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
   (``TRITON_INTERPRET=1``): about 50 s on 2 cores. TP8 is not run on CPU: the same scenario on eight
   interpreter processes passed but took 105 s on the 2-core machine (every process pays the interpreter's
