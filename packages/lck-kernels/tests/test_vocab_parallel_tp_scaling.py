@@ -35,6 +35,8 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   all-reduce that timed out waiting for a peer's kernel), while the rest finish every case. The cause was
   not found; it has only been seen with PEs sharing a GPU under MPS (the TP2 tests, one PE per GPU, have
   not shown it).
+  (Measured beside it: a rank on GPU 1 gains an idle context on GPU 0 at its first gloo all-reduce of a
+  CUDA tensor, inside torch's gloo path; importing the test modules creates none.)
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
   (``TRITON_INTERPRET=1``): about 50 s on 2 cores. TP8 is not run on CPU: the same scenario on eight
   interpreter processes passed but took 105 s on the 2-core machine (every process pays the interpreter's
