@@ -1,4 +1,5 @@
-"""Vocab-parallel FLSCE at TP4 and TP8 against the unsharded float64 reference, through the configured runtime.
+"""Vocab-parallel FLSCE at TP4 and TP8 against the unsharded float64 reference, through the configured
+runtime.
 
 One scenario, ``_scenario(rank, world, kind)``, runs on ``world`` processes:
 
@@ -31,10 +32,10 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   passes only while the compile caches are cold: it passed as the first run on a freshly started machine
   and again after Triton's and lck's JIT caches were deleted, and failed every time it ran with them warm
   (after the TP4 case, after itself, with a new MPS daemon, with /dev/shm empty). In the failing runs a
-  few ranks wait, until the worker timeout, in the synchronize after the fp32 case's forward (earlier runs: a one-shot
-  all-reduce that timed out waiting for a peer's kernel), while the rest finish every case. The cause was
-  not found; it has only been seen with PEs sharing a GPU under MPS (the TP2 tests, one PE per GPU, have
-  not shown it).
+  few ranks wait, until the worker timeout, in the synchronize after the fp32 case's forward (earlier
+  runs: a one-shot all-reduce that timed out waiting for a peer's kernel), while the rest finish every
+  case. The cause was not found; it has only been seen with PEs sharing a GPU under MPS (the TP2 tests,
+  one PE per GPU, have not shown it).
   (Measured beside it: a rank on GPU 1 gains an idle context on GPU 0 at its first gloo all-reduce of a
   CUDA tensor, inside torch's gloo path; importing the test modules creates none.)
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
@@ -94,8 +95,8 @@ CPU_TIMEOUT = 420
 
 def _shapes(kind: str, world: int, dev: str = "cpu") -> dict[str, Any]:
     if kind in ("gpu", "gpu-gloo", "gpu-shared"):
-        # Shared GPUs (gpu-gloo, gpu-shared: up to 4 ranks per GPU, each with its own float64 reference on the whole
-        # vocabulary) take a quarter of the tokens; the vocabulary and so the shard sizes stay real.
+        # Shared GPUs (gpu-gloo, gpu-shared: up to 4 ranks per GPU, each with its own float64 reference on
+        # the whole vocabulary) take a quarter of the tokens; the vocabulary and so the shard sizes stay real.
         vocab, hidden, tokens = 128256, 4096, 4096 if kind == "gpu" else 1024
         return {
             "cap": dict(max_tokens=tokens, hidden_size=hidden, local_vocab_size=vocab // world),
