@@ -6,7 +6,7 @@
 #   bash ci/device.sh [STAGE[:SECONDS][~KSEL]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
 #           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
-#           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon)
+#           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon), script ($SCRIPT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -91,6 +91,8 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
         echo "server $s, clients: $(echo "get_client_list $s" | nvidia-cuda-mps-control | tr "\n" " ")"; done
         echo get_device_client_list | nvidia-cuda-mps-control; ps -eo pid,ppid,stat,etime,args | grep -E "python|mps" | grep -v grep' ;;
     mps-restart) echo quit | nvidia-cuda-mps-control; sleep 2; nvidia-cuda-mps-control -d; sleep 1; echo get_server_list | nvidia-cuda-mps-control ;;
+    # A script carried beside the tree (e.g. a probe in .device-src): python3 $SCRIPT $SCRIPT_ARGS, its OUT = the work folder.
+    script) OUT=$W timeout "$limit" python3 "${SCRIPT:?}" ${SCRIPT_ARGS:-} ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac > "$log" 2>&1
