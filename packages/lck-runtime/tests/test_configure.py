@@ -236,3 +236,31 @@ def test_rank_that_never_calls_fails_the_others_within_the_timeout() -> None:
     assert "LCK_SETUP_TIMEOUT" in o["first"]
     assert 7 < o["elapsed"] < 60
     assert "out of step" in o["again"] and o["configured"] is None
+
+
+def _failure_then_finalize(rank: int, world: int) -> dict:
+    import traceback
+
+    import lck_runtime as L
+
+    L.configure(flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
+    if rank == 1:
+        return {}  # never reaches finalize
+    try:
+        try:
+            raise KeyError("the training step's own failure")
+        finally:
+            L.finalize()  # cleanup in a finally: times out waiting for rank 1
+    except RuntimeError:
+        return {"shown": traceback.format_exc()}
+    return {"shown": "finalize returned"}
+
+
+def test_finalize_timeout_in_cleanup_keeps_the_original_failure_visible() -> None:
+    """A job that fails on one rank and calls finalize() in a ``finally`` sees the timeout *and* its own
+    failure: the timeout must not hide the error that led there."""
+    outs = run_workers(_failure_then_finalize, 2, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "4"})
+    shown = outs[0]["shown"]
+    assert 'KeyError: "the training step\'s own failure"' in shown, shown
+    assert "During handling of the above exception, another exception occurred" in shown, shown
+    assert "RuntimeError: finalize: timed out after 4 s waiting for bootstrap ranks [1]" in shown, shown

@@ -24,9 +24,10 @@ def _fail_on_one(rank: int, world: int) -> int:
     return rank
 
 
-def _hang_on_zero(rank: int, world: int) -> None:
+def _hang_on_zero(rank: int, world: int) -> str | None:
     if rank == 0:
         time.sleep(600)
+    return f"rank {rank} finished: " + "x" * 5000 + " and its last words"
 
 
 def test_allreduce_over_gloo() -> None:
@@ -41,9 +42,14 @@ def test_error_is_reported_with_rank() -> None:
 
 def test_hang_fails_within_timeout() -> None:
     t0 = time.monotonic()
-    with pytest.raises(WorkerTimeout, match=r"\[0\]"):
+    with pytest.raises(WorkerTimeout, match=r"ranks \[0\] did not finish within 60 s") as info:
         run_workers(_hang_on_zero, 2, timeout=60)
     assert time.monotonic() - t0 < 120
+    # What the ranks that finished returned comes along (shown cut short in the message).
+    assert set(info.value.results) == {1} and info.value.results[1].startswith("rank 1 finished: x")
+    assert "rank 1 returned: 'rank 1 finished: xxx" in str(info.value)
+    assert "characters left out" in str(info.value) and str(info.value).endswith("and its last words'")
+    assert len(str(info.value)) < 2500
 
 
 def test_bad_arguments() -> None:

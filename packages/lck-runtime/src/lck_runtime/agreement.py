@@ -91,21 +91,27 @@ def _arrive(domain: Domain, op: str, timeout: float) -> None:
     store.set(f"{base}/r{me}", op)
     if store.add(f"{base}/count", 1) == domain.size:
         store.set(f"{base}/all", "1")
+    store_error: RuntimeError | None = None
     try:
         store.wait([f"{base}/all"], timedelta(seconds=timeout))
     except RuntimeError as exc:  # DistStoreError and the stores' plain timeout errors
+        store_error = exc
+    if store_error is not None:
+        # Raised outside the except block: the store's error is in the message, and an exception the
+        # caller was already handling (the failure that sent it to finalize() in a finally) stays
+        # chained and shown instead of being hidden behind this timeout.
         missing = [r for r in range(domain.size) if not store.check([f"{base}/r{r}"])]
         global_missing = [domain.ranks[r] for r in missing]
         why = (
             f"{op}: timed out after {timeout:g} s waiting for bootstrap ranks {_ranks_text(missing)} "
             f"(global ranks {_ranks_text(global_missing)}) to call an lck setup collective (round {seq}); "
             "every rank of the bootstrap group must make the same lck_runtime setup calls in the same "
-            f"order (raise LCK_SETUP_TIMEOUT to wait longer). Store error: {exc}"
+            f"order (raise LCK_SETUP_TIMEOUT to wait longer). Store error: {store_error}"
         )
         _poisoned[domain.ranks] = why
         # A straggler that arrives after this tells the others left; it must not enter the gather.
         store.set(f"{base}/abort", str(me))
-        raise RuntimeError(why) from None
+        raise RuntimeError(why)
     if store.check([f"{base}/abort"]):
         why = (
             f"{op}: bootstrap rank {store.get(f'{base}/abort').decode()} gave up waiting for this rank "

@@ -36,7 +36,28 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(RuntimeError):
-    """Some ranks did not finish within the timeout."""
+    """Some ranks did not finish within the timeout; ``results`` maps each rank that did to what it returned.
+
+    The message shows those results too (each cut to its first and last ``SHOWN_CHARS // 2`` characters): a rank that failed early and returned
+    its failure as data is often why the others are still waiting.
+    """
+
+    SHOWN_CHARS = 2000
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None):
+        self.results = dict(results or {})
+        parts = [
+            f"rank {r} returned: {_cut(repr(v), self.SHOWN_CHARS)}" for r, v in sorted(self.results.items())
+        ]
+        super().__init__("\n".join([message, *parts]))
+
+
+def _cut(text: str, limit: int) -> str:
+    """Both ends of a long text: a returned traceback starts with where it ran and ends with the error."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ...({len(text) - 2 * half} characters left out)... {text[-half:]}"
 
 
 def _entry(
@@ -166,7 +187,7 @@ def run_workers(
     if errors:
         raise WorkerError(errors)
     if missing:
-        raise WorkerTimeout(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
+        raise WorkerTimeout(f"ranks {missing} did not finish within {timeout:.0f} s (killed)", outs)
     del stuck  # ranks that reported but hung in teardown were killed above; their results stand
     return [outs[r] for r in range(world_size)]
 
