@@ -88,8 +88,9 @@ class TPGroup:
         if t.numel() == 0 or self.size == 1:
             return t
         if self.ctx is None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
-            return t
+            from lck_runtime.collectives import torch_all_reduce_
+
+            return torch_all_reduce_(t, op, self.group)
         # The context's symmetric scratch holds ctx.capacity float32 elements; elementwise reductions
         # can be cut anywhere, and slices of a contiguous 1-D view stay contiguous.
         flat, step = t.view(-1), int(self.ctx.capacity)
@@ -229,9 +230,18 @@ def agree(
         digest = torch.empty(D.TARGET_FIELDS * D.TARGET_LIMBS, device=target.device, dtype=torch.float32)
         D.target_digest(target, ignore_index, digest)
         buf[tp.rank, _TARGET_AT:].copy_(digest)
-    if tp.size > 1:
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
-    rows = buf.cpu().tolist()
+    from lck_runtime.collectives import reduces_on_host
+
+    if tp.size > 1 and buf.is_cuda and reduces_on_host(tp.group):
+        # gloo reduces on the host anyway: hand it the host copy the rows are read from. Its own CUDA path
+        # would stage through extra streams and, on a rank whose GPU is not 0, open a context on GPU 0.
+        host = buf.cpu()
+        dist.all_reduce(host, op=dist.ReduceOp.MAX, group=tp.group)
+        rows = host.tolist()
+    else:
+        if tp.size > 1:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
+        rows = buf.cpu().tolist()
     _raise_on_rejection_or_disagreement(op, tp, fields, rows)
     if target is not None:
         _check_targets(op, tp, rows, ignore_index, vocab_size)

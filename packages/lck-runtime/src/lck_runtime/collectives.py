@@ -33,7 +33,7 @@ from typing import Any
 
 from lck_runtime import p2p
 
-__all__ = ["ALGORITHMS", "all_reduce_", "check_all_reduce_args"]
+__all__ = ["ALGORITHMS", "all_reduce_", "check_all_reduce_args", "reduces_on_host", "torch_all_reduce_"]
 
 _OPS = ("sum", "max")
 ALGORITHMS = ("auto", "p2p", "nvshmem", "torch")
@@ -116,9 +116,35 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     elif path == "nvshmem":
         _nvshmem_all_reduce(ctx, t, op)
     else:
-        import torch.distributed as dist
+        torch_all_reduce_(t, op, ctx.group)
+    return t
 
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.group)
+
+def reduces_on_host(group: Any) -> bool:
+    """Whether ``group`` reduces CUDA tensors on the host: gloo is its only backend (no NCCL for CUDA)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend and "nccl" not in backend
+
+
+def torch_all_reduce_(t: Any, op: str, group: Any) -> Any:
+    """``torch.distributed.all_reduce`` of ``t`` (``op`` "sum" or "max") over ``group`` in place; returns ``t``.
+
+    A CUDA tensor on a group that reduces on the host (:func:`reduces_on_host`) is copied to the host,
+    reduced there and copied back on the current stream: what gloo does anyway, without its CUDA path's
+    own streams and events, and without the context that path opens on GPU 0 for a rank whose GPU is
+    another one (measured on two H200s).
+    """
+    import torch.distributed as dist
+
+    red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    if t.is_cuda and reduces_on_host(group):
+        host = t.cpu()
+        dist.all_reduce(host, op=red, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, op=red, group=group)
     return t
 
 
