@@ -148,6 +148,12 @@ def _scenario(rank: int, world: int, kind: str) -> dict[str, object]:
         _timed(rank, "plain torch.distributed", lambda: _case(
             tp, targets="some_ignored", tau=0.9, seed=1, **shapes["nccl"]
         ))  # fmt: skip
+        if kind != "cpu":
+            # The fp32 kernels too, before any one-shot all-reduce spins (see the module doc: under MPS a
+            # kernel's first load on one PE can wait behind the spinning kernels of the PEs sharing its GPU).
+            _timed(rank, "plain torch.distributed, fp32", lambda: _case(
+                tp, targets="last_shard", grads=("nll", "entropy"), seed=5, **shapes["fp32"]
+            ))  # fmt: skip
 
     def runtime() -> dict[str, object]:
         cap = shapes["cap"]
