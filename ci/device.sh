@@ -28,8 +28,8 @@ fi
 export PYTHONPATH=$PWD/packages/lck-runtime/src:$PWD/packages/lck-kernels/src:$PWD/packages/lck-ep/src:$PWD/packages/lck-megatron/src:$SITE
 # MPS=1: a private CUDA MPS control daemon (own pipe and log folders, so only this script's processes
 # use it) for the stages' lifetime, stopped on exit. NVSHMEM needs it to run several PEs per GPU with
-# teams (the shared-GPU tests); the card's settings are not touched. The 8-PE TP test passes there only with
-# cold compile caches (see lck-kernels' test_vocab_parallel_tp_scaling.py).
+# teams (the shared-GPU tests); the card's settings are not touched. Tests there load every kernel before a
+# one-shot all-reduce spins (see lck-kernels' test_vocab_parallel_tp_scaling.py for why).
 if [ -n "${MPS:-}" ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/lck-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lck-mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

@@ -28,16 +28,18 @@ tolerance or no worse than plain torch eager in the same dtype; fp32 to the fixe
   NVSHMEM contexts over 4 and 8 PEs are what it cannot show; ``gpu-shared`` runs them: the same scenario
   with NVSHMEM on and 2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server that
   splits each GPU between its processes), ``configure`` returning True:
-  ``MPS=1 bash ci/device.sh "tp-k~tp_nvshmem_real_sizes_on_shared_gpus and 8"``. On two H200s the TP8 run
-  passes only while the compile caches are cold: it passed as the first run on a freshly started machine
-  and again after Triton's and lck's JIT caches were deleted, and failed every time it ran with them warm
-  (after the TP4 case, after itself, with a new MPS daemon, with /dev/shm empty). In the failing runs a
-  few ranks wait, until the worker timeout, in the synchronize after the fp32 case's forward (earlier
-  runs: a one-shot all-reduce that timed out waiting for a peer's kernel), while the rest finish every
-  case. The cause was not found; it has only been seen with PEs sharing a GPU under MPS (the TP2 tests,
-  one PE per GPU, have not shown it).
-  (Measured beside it: a rank on GPU 1 gains an idle context on GPU 0 at its first gloo all-reduce of a
-  CUDA tensor, inside torch's gloo path; importing the test modules creates none.)
+  ``MPS=1 bash ci/device.sh "tp-k~tp_nvshmem_real_sizes_on_shared_gpus and 8"``. Every rank first loads
+  the kernels of both dtypes (the two ``plain torch.distributed`` cases, before ``configure``) while no
+  one-shot all-reduce spins. Without that, the TP8 run on two H200s failed whenever the compile
+  caches were warm (9 of 9 runs; it passed with them cold): in the fp32 case, ranks whose all-reduce
+  kernel was already spinning timed out (30 s) waiting for a rank that never started its own, that rank
+  stuck in the fp32 forward before it. Loading a kernel can wait for the context's running kernels (CUDA
+  documents this for lazy loading), and under MPS the spinning kernels of the PEs sharing the GPU held the
+  first load of an fp32 kernel back; with cold caches the compile times kept the ranks apart. With the
+  fp32 kernels loaded up front it passed cold (52.6 s) and twice warm (31.0 s, 28.9 s).
+  (Measured beside it: a rank on GPU 1 gained an idle context on GPU 0 at its first gloo all-reduce of a
+  CUDA tensor, inside torch's gloo path; lck now hands gloo host copies, ``lck_runtime.collectives.
+  torch_all_reduce_``, and importing the test modules creates none.)
 - CPU: the same scenario at TP4 over gloo with small fp32 shapes, Triton in its interpreter
   (``TRITON_INTERPRET=1``): about 50 s on 2 cores. TP8 is not run on CPU: the same scenario on eight
   interpreter processes passed but took 105 s on the 2-core machine (every process pays the interpreter's
@@ -149,8 +151,8 @@ def _scenario(rank: int, world: int, kind: str) -> dict[str, object]:
             tp, targets="some_ignored", tau=0.9, seed=1, **shapes["nccl"]
         ))  # fmt: skip
         if kind != "cpu":
-            # The fp32 kernels too, before any one-shot all-reduce spins (see the module doc: under MPS a
-            # kernel's first load on one PE can wait behind the spinning kernels of the PEs sharing its GPU).
+            # The fp32 kernels too, loaded before any one-shot all-reduce spins: under MPS a kernel's first
+            # load on one PE can wait behind the spinning kernels of the PEs sharing its GPU (module doc).
             _timed(rank, "plain torch.distributed, fp32", lambda: _case(
                 tp, targets="last_shard", grads=("nll", "entropy"), seed=5, **shapes["fp32"]
             ))  # fmt: skip
