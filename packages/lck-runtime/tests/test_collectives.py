@@ -63,6 +63,18 @@ def _reduce(rank: int, world: int) -> dict:
         "size": _err(ctx.all_reduce_, torch.ones(16 * 8 + 1), "sum"),
         "op": _err(ctx.all_reduce_, torch.ones(4), "min"),
     }
+    # Inside CUDA-graph capture only NCCL is taken: on this gloo group both "auto" and a forced "torch" are
+    # refused before anything is launched (capture is simulated: this test has no GPU).
+    import lck_runtime.capture as C
+
+    real, C.capturing = C.capturing, lambda device: True
+    try:
+        t = torch.ones(4)
+        errors["captured auto"] = _err(ctx.all_reduce_, t, "sum")
+        errors["captured torch"] = _err(lambda: ctx.all_reduce_(t, "sum", algorithm="torch"))
+        errors["captured untouched"] = "ok" if bool((t == 1).all()) else "t was changed"
+    finally:
+        C.capturing = real
     return {"worst": worst, "errors": errors, "empty": ctx.all_reduce_(empty, "max") is empty}
 
 
@@ -81,4 +93,10 @@ def test_all_reduce_matches_float64_reference_on_three_partitions() -> None:
             "ValueError: all_reduce_: t has 129 elements, more than the context's capacity 128"
         )
         assert e["op"] == "ValueError: all_reduce_: op must be one of ('sum', 'max'), got 'min'"
+        refused = (
+            "ValueError: all_reduce_: inside CUDA-graph capture the all-reduce takes NCCL, but the group's "
+            "backend is gloo"
+        )
+        assert e["captured auto"] == refused and e["captured torch"] == refused, e
+        assert e["captured untouched"] == "ok"
         assert o["empty"]

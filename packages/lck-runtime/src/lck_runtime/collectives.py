@@ -9,8 +9,8 @@ epochs are host counters, which a replayed graph would repeat) and ``p2p.auto_ta
 for two members; up to the low-latency sizes for more).
 
 Inside CUDA-graph capture the all-reduce takes NCCL (``"auto"`` or ``"torch"`` on an NCCL group); forcing
-``"nvshmem"``, or ``"auto"`` on a group of another backend, raises ``ValueError`` before anything is
-captured. The NVSHMEM path below goes through a scratch that every context of the process shares, ordered
+``"nvshmem"``, or ``"auto"``/``"torch"`` on a group of another backend, raises ``ValueError`` before anything
+is captured. The NVSHMEM path below goes through a scratch that every context of the process shares, ordered
 across streams by host-side events that a replayed graph cannot keep, and a live graph holding NVSHMEM
 team reductions keeps ``finalize()`` from returning (two H200s: no return within 60 s while such a graph
 lived, 0.8 s once it was destroyed).
@@ -98,7 +98,7 @@ def all_reduce_(ctx: Any, t: Any, op: str, *, algorithm: str = "auto") -> Any:
     if ctx.size == 1 or t.numel() == 0:
         return t
     if capturing:
-        if algorithm == "auto" and not _nccl(ctx):
+        if not _nccl(ctx):  # "auto" or "torch": both take torch.distributed, which captures only NCCL
             import torch.distributed as dist
 
             raise ValueError(
