@@ -230,18 +230,15 @@ def agree(
         digest = torch.empty(D.TARGET_FIELDS * D.TARGET_LIMBS, device=target.device, dtype=torch.float32)
         D.target_digest(target, ignore_index, digest)
         buf[tp.rank, _TARGET_AT:].copy_(digest)
-    from lck_runtime.collectives import reduces_on_host
+    if tp.size > 1:
+        from lck_runtime.collectives import reduces_on_host
 
-    if tp.size > 1 and buf.is_cuda and reduces_on_host(tp.group):
-        # gloo reduces on the host anyway: hand it the host copy the rows are read from. Its own CUDA path
-        # would stage through extra streams and, on a rank whose GPU is not 0, open a context on GPU 0.
-        host = buf.cpu()
-        dist.all_reduce(host, op=dist.ReduceOp.MAX, group=tp.group)
-        rows = host.tolist()
-    else:
-        if tp.size > 1:
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
-        rows = buf.cpu().tolist()
+        if reduces_on_host(tp.group):
+            # The rows are read on the host anyway: gloo gets that copy, not its own CUDA path (extra
+            # streams, and a context on GPU 0 for a rank of another GPU).
+            buf = buf.cpu()
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
+    rows = buf.cpu().tolist()
     _raise_on_rejection_or_disagreement(op, tp, fields, rows)
     if target is not None:
         _check_targets(op, tp, rows, ignore_index, vocab_size)

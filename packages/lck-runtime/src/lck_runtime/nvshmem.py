@@ -124,7 +124,8 @@ def mps_servers(attempts: int = 8) -> list[str] | None:
             answered = True
             if got.stdout.split():
                 return got.stdout.split()
-        time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
+        if attempt + 1 < attempts:
+            time.sleep(0.05 + 0.2 * random.random() * (attempt + 1))
     return [] if answered else None
 
 

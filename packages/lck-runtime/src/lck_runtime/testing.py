@@ -38,8 +38,8 @@ class WorkerError(RuntimeError):
 class WorkerTimeout(RuntimeError):
     """Some ranks did not finish within the timeout; ``results`` maps each rank that did to what it returned.
 
-    The message shows those results too (each cut to its first and last ``SHOWN_CHARS // 2`` characters): a rank that failed early and returned
-    its failure as data is often why the others are still waiting.
+    The message shows those results too (each cut to its first and last ``SHOWN_CHARS // 2`` characters):
+    a rank that failed early and returned its failure as data is often why the others are still waiting.
     """
 
     SHOWN_CHARS = 2000
