@@ -5,7 +5,8 @@ argument refused with the reason on the torch.distributed path. Two H200s: both 
 one and the low-latency one) against a float64 reference and NCCL (sums, maxima, odd sizes, unaligned
 tensors, one rank aligned and the other not, several slots per call), the same bits on both ranks,
 back-to-back calls of both kinds with fresh data on two streams, and a peer that never arrives: NaN and
-a diagnostic instead of a hang.
+a diagnostic instead of a hang. Both kernels are loaded by ``configure``, before the first call (two
+GPUs, and two PEs sharing one GPU under MPS).
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ from typing import Any
 import pytest
 
 from lck_runtime import p2p
-from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, error_text, run_workers
+from lck_runtime.testing import (
+    SHARED_GPU_SKIP,
+    SINGLE_HOST_NVSHMEM_ENV,
+    error_text,
+    mps_daemon_running,
+    run_workers,
+    shared_gpu_env,
+)
 
 SEED = 20261201
+KERNELS = (p2p.KERNEL, p2p.KERNEL_LL)
 
 
 def test_sizing_rules() -> None:
@@ -135,6 +144,16 @@ def _rand(rank: int, case: int, numel: int) -> Any:
     return (torch.randn(numel, generator=g, dtype=torch.float32) * 4.0).cuda()
 
 
+def _loaded_here() -> list[bool]:
+    """Whether each one-shot kernel is loaded on the current device (before this process's first call)."""
+    import torch
+
+    from lck_runtime.jit import detect_arch
+
+    dev, arch = torch.cuda.current_device(), detect_arch()
+    return [(k, arch) in p2p._kernels and dev in p2p._kernels[(k, arch)]._functions for k in KERNELS]
+
+
 def _two_gpus(rank: int, world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -147,6 +166,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
     try:
         ctx = L.flsce_context()
         out["native, p2p, slot"] = (native, ctx.p2p, ctx._p2p.slot if ctx.p2p else None)
+        out["loaded at configure"] = _loaded_here()
         worst: dict[str, float] = {}
         same_bits = True
         case = 0
@@ -237,6 +257,7 @@ def test_one_shot_all_reduce_on_two_gpus() -> None:
     for rank, o in enumerate(outs):
         where = f"rank {rank}: {o}"
         assert o["native, p2p, slot"] == (True, True, 32768), where
+        assert o["loaded at configure"] == [True, True], where
         w = o["worst"]
         assert w["max"] == 0.0 and w["vs nccl max"] == 0.0, where
         assert w["sum"] <= 1e-5 and w["vs nccl sum"] <= 1e-5, where  # two fp32 addends: at most one rounding
@@ -249,3 +270,49 @@ def test_one_shot_all_reduce_on_two_gpus() -> None:
     assert o["skipped peer: check"].startswith("BarrierError: member 0: team barrier timed out"), o
     assert "team member 1" in o["skipped peer: check"], o
     assert o["after failure"] is True, o
+
+
+def _one_gpu(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import lck_runtime as L
+
+    torch.cuda.set_device(0)
+    out: dict[str, Any] = {}
+    native = L.configure(flsce=L.FusedLinearCrossEntropyConfig(4096, 8, 16))
+    try:
+        ctx = L.flsce_context()
+        out["native, p2p"] = (native, ctx.p2p)
+        out["loaded at configure"] = _loaded_here()
+        worst = 0.0
+        for case, numel in enumerate((1000, 30000, 4 * 8192)):  # the low-latency kernel, then the standard
+            ctx._p2p.ll_max = p2p.LL_SLOT if numel == 1000 else 0
+            t = _rand(rank, case, numel)
+            ref = _rand(0, case, numel).double() + _rand(1, case, numel).double()
+            # torch's own kernels load lazily too: each rank runs the ones above before either waits in
+            # the exchange (the hazard the runtime README describes for shared GPUs).
+            torch.cuda.synchronize()
+            dist.barrier()
+            ctx.all_reduce_(t, "sum", algorithm="p2p")
+            worst = max(worst, float((t.double() - ref).abs().max()))
+        ctx.check_collectives()
+        out["worst"] = worst
+    finally:
+        L.finalize()
+    return out
+
+
+@pytest.mark.gpu
+def test_one_shot_kernels_load_at_configure_with_two_pes_on_one_gpu() -> None:
+    """Two PEs on one GPU under MPS: configure has loaded both kernels on every member before any call
+    (a member that loaded one at its first call could wait behind a peer spinning in it), and the
+    exchange between the two PEs' peer views of one GPU's memory is exact."""
+    if not mps_daemon_running():
+        pytest.skip(SHARED_GPU_SKIP)
+    env = {**SINGLE_HOST_NVSHMEM_ENV, **shared_gpu_env(2, 1)}
+    for rank, o in enumerate(run_workers(_one_gpu, 2, backend="gloo", timeout=240, env=env)):
+        where = f"rank {rank}: {o}"
+        assert o["native, p2p"] == (True, True), where
+        assert o["loaded at configure"] == [True, True], where
+        assert o["worst"] <= 1e-5, where

@@ -248,7 +248,7 @@ def configure(
             for ctx in fresh:
                 ctx._p2p, ctx._p2p_off = None, True
             warnings.warn(
-                "lck_runtime.configure: the NVLink one-shot all-reduce is off (a rank has no peer view: "
+                "lck_runtime.configure: the NVLink one-shot all-reduce is off (a rank could not set it up: "
                 f"{next(r for r in reports if r)}); FLSCE contexts use NVSHMEM's team reduction",
                 RuntimeWarning,
                 stacklevel=2,
@@ -272,7 +272,8 @@ def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> tuple[list[Any],
     """Build the one-shot all-reduce of every FLSCE context whose buffers this call reserved.
 
     Returns those contexts (the same ones on every rank: configure creates contexts uniformly) and the
-    error text if this rank could not build one (no peer view), else None.
+    error text if this rank could not build one (no peer view, or its kernels did not build or load), else
+    None.
     """
     fresh = [c for c in st.flsce.values() if c._p2p_buffers is not None and c._p2p is None and not c._p2p_off]
     for ctx in fresh:

@@ -142,6 +142,13 @@ class P2PAllReduce:
         self.timeout_ns = int(timeout_s * 1e9)
         self.epoch = 0
         self._last: tuple[Any, Any] = (None, None)  # (stream, event) of the previous call
+        if dev.type == "cuda":
+            # Load both kernels now, inside configure, before any member can wait in one: loading a module
+            # may wait for the kernels running on the GPU (CUDA lazy loading), so a member loading it at its
+            # first call while a peer on the same GPU (MPS) already spins in it would stall both until the
+            # peer's timeout. A build that fails here (no nvcc) turns the one-shot path off at configure.
+            for name in (KERNEL, KERNEL_LL):
+                _kernel(name).load(dev.index)
 
     def __call__(self, t: Any, op: str) -> None:
         """Reduce the contiguous float32 CUDA tensor ``t`` in place over the team (``op``: sum or max)."""
