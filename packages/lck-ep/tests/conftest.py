@@ -1,1 +1,5 @@
-from lck_runtime.pytest_plugin import pytest_collection_modifyitems, pytest_configure  # noqa: F401
+from lck_runtime.pytest_plugin import (  # noqa: F401
+    _cpu_tests_hide_cuda,
+    pytest_collection_modifyitems,
+    pytest_configure,
+)

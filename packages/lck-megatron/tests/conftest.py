@@ -16,7 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from lck_runtime.pytest_plugin import pytest_collection_modifyitems, pytest_configure  # noqa: F401
+from lck_runtime.pytest_plugin import (  # noqa: F401
+    _cpu_tests_hide_cuda,
+    pytest_collection_modifyitems,
+    pytest_configure,
+)
 
 
 @pytest.fixture(autouse=True)

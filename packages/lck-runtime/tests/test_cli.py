@@ -62,3 +62,36 @@ def test_console_script_runs() -> None:
 def test_bench_unknown_layer(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.bench(["no-such-layer"]) == 2
     assert "no-such-layer" in capsys.readouterr().err
+
+
+def test_a_checkout_on_the_path_still_has_doctor_and_says_how_to_run_the_rest(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As on the GPU runners: the layers imported through PYTHONPATH, no distribution, no entry points."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError
+    from pathlib import Path
+
+    def missing(dist: str) -> str:
+        raise PackageNotFoundError(dist)
+
+    real = doctor._version
+    monkeypatch.setattr(cli, "_group", lambda name: {})
+    monkeypatch.setattr(cli, "version", missing)
+    monkeypatch.setattr(doctor, "_version", lambda dist: None if dist.startswith("lck") else real(dist))
+    assert cli.main(["--help"]) == 0
+    assert "doctor" in capsys.readouterr().out
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'demo'" in err and "not installed" in err and "python -m lck_megatron.demo" in err
+    assert cli.main(["bench", "kernels"]) == 2
+    assert "python -m lck_kernels.bench" in capsys.readouterr().err
+    assert cli.main(["doctor", "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    project = Path(cli.__file__).resolve().parents[2] / "pyproject.toml"
+    declared = tomllib.loads(project.read_text())["project"]["version"]
+    assert layers["lck"] is None
+    assert (
+        layers["lck-runtime"]
+        == f"{declared} (source at {Path(cli.__file__).resolve().parent}, not installed)"
+    )

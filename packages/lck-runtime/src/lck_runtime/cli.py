@@ -3,20 +3,49 @@
 Subcommands come from installed layers through the ``lck.commands`` entry-point group
 (name → ``main(argv) -> int``). ``lck bench <layer>`` is owned here and dispatches to the
 ``lck.bench`` group, so several layers can contribute benchmarks without fighting over a name.
-A layer that is not installed contributes nothing: its commands are simply absent.
+A layer that is not installed contributes nothing: its commands are simply absent. ``doctor`` is this
+layer's own and always present, so that a checkout used through ``PYTHONPATH`` (no entry points, as on
+the GPU runners) can still say what it sees; an unknown command there names the modules to run instead.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 
 Command = Callable[[list[str]], int]
 
 
+# What the layers register at install time, for the hint shown when they are only on the path.
+_MODULES = "python -m lck_megatron.demo, python -m lck_kernels.bench, python -m lck_ep.benchmark"
+
+
 def _group(name: str) -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=name)}
+
+
+def _commands() -> dict[str, EntryPoint]:
+    commands = _group("lck.commands")
+    commands.setdefault("doctor", EntryPoint("doctor", "lck_runtime.doctor:main", "lck.commands"))
+    return commands
+
+
+def _installed() -> bool:
+    try:
+        version("lck-runtime")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _not_installed_hint() -> str:
+    if _installed():
+        return ""
+    return (
+        "\n\nlck-runtime is imported from the path, not installed, so the layers' commands (registered at "
+        f"install time) are missing: install them (uv sync, or pip install -e each package) or run {_MODULES}"
+    )
 
 
 def _summary(ep: EntryPoint) -> str:
@@ -45,14 +74,16 @@ def bench(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     if name not in benches:
         avail = ", ".join(sorted(benches)) or "none (install lck-kernels or lck-ep)"
-        print(f"lck bench: unknown layer {name!r}; installed: {avail}", file=sys.stderr)
+        print(
+            f"lck bench: unknown layer {name!r}; installed: {avail}{_not_installed_hint()}", file=sys.stderr
+        )
         return 2
     return int(benches[name].load()(rest) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = _group("lck.commands")
+    commands = _commands()
     benches = _group("lck.bench")
     if not args or args[0] in ("-h", "--help"):
         print(_usage(commands, benches))
@@ -61,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name == "bench" and benches:
         return bench(rest)
     if name not in commands:
-        print(f"lck: unknown command {name!r}\n\n{_usage(commands, benches)}", file=sys.stderr)
+        print(
+            f"lck: unknown command {name!r}\n\n{_usage(commands, benches)}{_not_installed_hint()}",
+            file=sys.stderr,
+        )
         return 2
     return int(commands[name].load()(rest) or 0)
 

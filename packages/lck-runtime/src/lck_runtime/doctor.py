@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
+import tomllib
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from lck_runtime.nvshmem import NATIVE_ARCHS
@@ -22,6 +25,23 @@ def _version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _layer(dist: str) -> str | None:
+    """The installed version of a layer, else what a source checkout on the path holds, else None."""
+    installed = _version(dist)
+    if installed is not None or dist == "lck":
+        return installed
+    spec = importlib.util.find_spec(dist.replace("-", "_"))
+    if spec is None or spec.origin is None:
+        return None
+    package_dir = Path(spec.origin).resolve().parent
+    project = package_dir.parents[1] / "pyproject.toml"  # <package>/src/<module>/__init__.py
+    try:
+        declared = tomllib.loads(project.read_text())["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        declared = "?"
+    return f"{declared} (source at {package_dir}, not installed)"
 
 
 def nvcc_info() -> dict[str, Any]:
@@ -78,7 +98,7 @@ def collect() -> dict[str, Any]:
         "gpus": gpu_info(),
         "nvcc": nvcc_info(),
         "nvshmem": nvshmem_info(),
-        "layers": {name: _version(name) for name in LAYERS},
+        "layers": {name: _layer(name) for name in LAYERS},
         "jit_cache_dir": str(jit_cache_dir("LCK")),
         "ep_jit_cache_dir": str(jit_cache_dir("EP")),
     }

@@ -5,7 +5,10 @@
 - ``nvcc``: needs the CUDA compiler.
 - ``megatron``: needs megatron-core.
 
-Missing hardware or tools skip with the reason; nothing fails for lack of a GPU.
+Missing hardware or tools skip with the reason; nothing fails for lack of a GPU. Tests without the ``gpu``
+marker test the CPU paths, so the processes they start (``run_workers``, examples run as scripts) see no
+GPU (``CUDA_VISIBLE_DEVICES=""``) on any machine; on a GPU machine they would otherwise pick CUDA devices.
+A package's ``tests/conftest.py`` imports the hooks and the ``_cpu_tests_hide_cuda`` fixture.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,3 +66,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs nvcc (not on PATH, CUDA_HOME or /usr/local/cuda)"))
         if item.get_closest_marker("megatron") is not None and importlib.util.find_spec("megatron") is None:
             item.add_marker(pytest.mark.skip(reason="needs megatron-core"))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests_hide_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # The test process itself keeps its view (CUDA may be initialised already); children inherit this.
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
