@@ -57,3 +57,19 @@ def test_bad_arguments() -> None:
         run_workers(_allreduce, 0)
     with pytest.raises(ValueError, match="backend"):
         run_workers(_allreduce, 1, backend="mpi")
+
+
+def _visible(rank: int, world: int) -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_ranks_of_a_cpu_test_see_no_gpu() -> None:
+    """A test without the gpu marker runs its ranks with CUDA hidden, on a GPU machine too (the CPU paths
+    it tests are the ones a CPU runner takes); the test process's own view is left alone."""
+    import os
+
+    assert os.environ.get("LCK_TEST_CPU") == "1"
+    assert run_workers(_visible, 2) == ["", ""]
+    assert run_workers(_visible, 1, env={"CUDA_VISIBLE_DEVICES": "0"}) == ["0"]

@@ -6,9 +6,11 @@
 - ``megatron``: needs megatron-core.
 
 Missing hardware or tools skip with the reason; nothing fails for lack of a GPU. Tests without the ``gpu``
-marker test the CPU paths, so the processes they start (``run_workers``, examples run as scripts) see no
-GPU (``CUDA_VISIBLE_DEVICES=""``) on any machine; on a GPU machine they would otherwise pick CUDA devices.
-A package's ``tests/conftest.py`` imports the hooks and the ``_cpu_tests_hide_cuda`` fixture.
+marker test the CPU paths: the fixture ``_cpu_tests_hide_cuda`` marks them (``LCK_TEST_CPU=1``) and
+``run_workers`` then starts their ranks with no GPU visible, as on the CPU runners; on a GPU machine they
+would otherwise pick CUDA devices. The test process keeps its own view: changing ``CUDA_VISIBLE_DEVICES``
+after CUDA may have started would leave torch and the driver disagreeing. A package's
+``tests/conftest.py`` imports the hooks and the fixture.
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _cpu_tests_hide_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # The test process itself keeps its view (CUDA may be initialised already); children inherit this.
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setenv("LCK_TEST_CPU", "1")
     yield

@@ -120,6 +120,10 @@ def run_workers(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
+    ``env`` is applied in each rank before ``fn`` runs. Under a test without the ``gpu`` marker
+    (``LCK_TEST_CPU=1``, set by lck's pytest plugin) the ranks see no GPU unless ``env`` names
+    ``CUDA_VISIBLE_DEVICES``.
+
     Raises :class:`WorkerError` if any rank raised (after all ranks ended or the timeout passed) and
     :class:`WorkerTimeout` if some rank neither returned nor raised within ``timeout`` seconds.
     """
@@ -133,6 +137,8 @@ def run_workers(
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
     child_env = {k: v for k, v in (env or {}).items()}
+    if os.environ.get("LCK_TEST_CPU") == "1":  # a test of the CPU paths (pytest_plugin): ranks see no GPU
+        child_env.setdefault("CUDA_VISIBLE_DEVICES", "")
     procs = [
         ctx.Process(
             target=_entry,
