@@ -6,10 +6,10 @@
   with 2, 4 and 8 processes;
 - over NCCL with real NVSHMEM (``backend_kind="nvshmem"``, ``multigpu(2)`` / ``multigpu(4)`` /
   ``multigpu(8)``: one H200 per process, ``configure`` returns True and every context is native);
-- with real NVSHMEM on two GPUs for 4 and 8 ranks (``test_multigroup_nvshmem_shared_gpus``: 2 or 4 PEs per
-  GPU with ``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server, ``MPS=1 bash ci/device.sh``;
-  torch.distributed over gloo since NCCL refuses two ranks on one GPU), where 4- and 8-GPU machines are
-  not at hand.
+- with real NVSHMEM on one or two GPUs for 4 and 8 ranks (``test_multigroup_nvshmem_shared_gpus``: the
+  ranks round-robin over the GPUs with ``LCK_NVSHMEM_SHARED_GPUS=1`` under a CUDA MPS server,
+  ``MPS=1 bash ci/device.sh``; torch.distributed over gloo since NCCL refuses two ranks on one GPU),
+  where 4- and 8-GPU machines are not at hand.
 
 Layouts (names of the process groups; every group is a uniform strided partition of WORLD):
 
@@ -764,12 +764,12 @@ def test_multigroup_nvshmem_8_gpus() -> None:
     _run(8, "nvshmem")
 
 
-@pytest.mark.multigpu(2)
+@pytest.mark.gpu
 @pytest.mark.parametrize("world", [4, 8])
 def test_multigroup_nvshmem_shared_gpus(world: int) -> None:
-    """The 4- and 8-PE layouts (TP2 × EP4 beside TP4 × EP2 at 8) through real NVSHMEM on two GPUs,
-    2 or 4 PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``): teams, symmetric memory, peer views and
-    reductions of those sizes, not their speed."""
+    """The 4- and 8-PE layouts (TP2 × EP4 beside TP4 × EP2 at 8) through real NVSHMEM on the GPUs there
+    are, several PEs per GPU (``LCK_NVSHMEM_SHARED_GPUS=1``; 2 or 4 on two GPUs, all of them on one):
+    teams, symmetric memory, peer views and reductions of those sizes, not their speed."""
     if not mps_daemon_running():
         pytest.skip(SHARED_GPU_SKIP)
     _run(world, "nvshmem", shared_gpus=True)

@@ -227,8 +227,8 @@ def mps_daemon_running() -> bool:
 
 
 SHARED_GPU_SKIP = (
-    "needs a CUDA MPS control daemon for several NVSHMEM PEs per GPU: MPS=1 bash ci/device.sh runtime-k/tp-k "
-    "with KSEL=shared_gpus starts a private one"
+    "needs a CUDA MPS control daemon for several NVSHMEM PEs per GPU: MPS=1 bash ci/device.sh <stages> starts "
+    "a private one"
 )
 
 
