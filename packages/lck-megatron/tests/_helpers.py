@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,15 @@ def assert_close(
     torch.testing.assert_close(
         o, r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol, msg=lambda m: f"{name} ({dtype}): {m}"
     )
+
+
+def kernel_device() -> torch.device:
+    """Where a test runs lck's Triton kernels: the CPU under TRITON_INTERPRET=1, else CUDA, else skip."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 
 def swiglu_ref(y: torch.Tensor) -> torch.Tensor:

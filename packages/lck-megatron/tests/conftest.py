@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from lck_runtime.pytest_plugin import (  # noqa: F401
-    _cpu_tests_hide_cuda,
+    _mark_cpu_tests,
     pytest_collection_modifyitems,
     pytest_configure,
 )

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
+from _helpers import kernel_device
 
 from lck_megatron import benchmark
 from lck_runtime.benchmarking import Record
 
 
-def _kernel_device() -> torch.device:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
-
-
 @pytest.mark.parametrize("name", ["lck", "lck_in_place", "torch"])
 def test_provider_passes_its_correctness_check(name: str) -> None:
-    device = _kernel_device()
+    device = kernel_device()
     fn = benchmark._providers([name])[name]
     pristine = torch.randn(8, 2, 64, device=device, dtype=torch.bfloat16)
     dout = torch.randn(8, 2, 32, device=device, dtype=torch.bfloat16)

@@ -7,24 +7,15 @@ the same inputs. TP=2 runs in ``test_tensor_parallel.py``.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
-from _helpers import assert_close, build_gpt, transformer_config
+from _helpers import assert_close, build_gpt, kernel_device, transformer_config
 
 from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
 from lck_megatron.cross_entropy import LckVocabParallelCrossEntropy
 
 pytestmark = pytest.mark.megatron
-
-
-def _device() -> torch.device:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 
 def megatron_ce_reference(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
@@ -61,7 +52,7 @@ def _call(fn, kind: str, logits, target, smoothing: float):
     ids=["plain", "smoothed", "fused"],
 )
 def test_route_matches_megatron_and_float64(megatron_tp1: None, kind: str, smoothing: float, dtype) -> None:
-    _check_route(kind, smoothing, dtype, _device(), (6, 3, 80))
+    _check_route(kind, smoothing, dtype, kernel_device(), (6, 3, 80))
 
 
 @pytest.mark.gpu
@@ -106,7 +97,7 @@ def _check_route(
 @pytest.mark.parametrize("fusion", [False, True], ids=["plain", "fused"])
 def test_language_model_loss_goes_through_lck(megatron_tp1: None, fusion: bool) -> None:
     """The real consumer: GPTModel.compute_language_model_loss with the patch applied before the build."""
-    device = _device()
+    device = kernel_device()
     torch.manual_seed(3)
     cfg = dict(cross_entropy_loss_fusion=fusion)
     if fusion:

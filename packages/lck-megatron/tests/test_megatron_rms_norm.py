@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from _helpers import assert_close
+from _helpers import assert_close, kernel_device
 
 from lck_megatron.rms_norm import LckMegatronRMSNorm, LckWrappedTorchNorm
-
-
-def _kernel_device() -> torch.device:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -54,7 +44,7 @@ def _check(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(9, 40), (5, 2, 64)], ids=["2d", "3d"])
 def test_matches_float64_and_torch(shape, dtype) -> None:
-    _check(shape, dtype, _kernel_device())
+    _check(shape, dtype, kernel_device())
 
 
 @pytest.mark.gpu
@@ -121,7 +111,7 @@ def test_deepcopy_and_torch_save_of_a_model_with_lck_norms() -> None:
     import copy
     import io
 
-    device = _kernel_device()
+    device = kernel_device()
     model = torch.nn.Sequential(LckMegatronRMSNorm(16), torch.nn.Linear(16, 4)).to(device)
     x = torch.randn(3, 16, device=device)
     want = model(x)

@@ -7,23 +7,14 @@ same checks on CUDA at Megatron's real activation sizes.
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
-from _helpers import assert_close, swiglu_ref
+from _helpers import assert_close, kernel_device, swiglu_ref
 
 from lck_megatron.swiglu import LckMegatronSwiGLU
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _kernel_device() -> torch.device:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 
 def reference_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
@@ -56,7 +47,7 @@ def _check_fwd_bwd(module: LckMegatronSwiGLU, shape: tuple[int, ...], dtype: tor
 @pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in_place"])
 def test_forward_backward_matches_float64(shape, dtype, in_place) -> None:
     module = LckMegatronSwiGLU(fallback_impl=None, in_place=in_place)
-    _check_fwd_bwd(module, shape, dtype, _kernel_device())
+    _check_fwd_bwd(module, shape, dtype, kernel_device())
     assert module.calls == {"lck": 1, "fallback": 0}
 
 
@@ -71,7 +62,7 @@ def test_forward_backward_matches_float64_cuda(ffn, dtype) -> None:
 
 
 def test_in_place_writes_the_gradient_into_the_activation_buffer() -> None:
-    device = _kernel_device()
+    device = kernel_device()
     x = torch.randn(6, 2, 32, device=device, requires_grad=True)
     y = x * 1.0
     ptr = y.data_ptr()
@@ -83,7 +74,7 @@ def test_in_place_writes_the_gradient_into_the_activation_buffer() -> None:
 
 
 def test_in_place_second_backward_raises() -> None:
-    device = _kernel_device()
+    device = kernel_device()
     x = torch.randn(4, 16, device=device, requires_grad=True)
     out = LckMegatronSwiGLU(fallback_impl=None, in_place=True)(x * 1.0, None, False, False)
     loss = out.square().sum()
@@ -93,7 +84,7 @@ def test_in_place_second_backward_raises() -> None:
 
 
 def test_copy_mode_allows_second_backward() -> None:
-    device = _kernel_device()
+    device = kernel_device()
     x = torch.randn(4, 16, device=device, requires_grad=True)
     out = LckMegatronSwiGLU(fallback_impl=None)(x * 1.0, None, False, False)
     loss = out.square().sum()
@@ -119,7 +110,7 @@ def test_copy_mode_allows_second_backward() -> None:
 )
 def test_fallback_policy(arg, call, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="lck_megatron")
-    y = torch.randn(4, 3, 16, device=_kernel_device())
+    y = torch.randn(4, 3, 16, device=kernel_device())
     module = LckMegatronSwiGLU(fallback_impl=reference_impl)
     reference_impl.calls.clear()
     out1 = call(module, y)
@@ -141,7 +132,7 @@ def test_extra_arguments_of_newer_versions() -> None:
         return reference_impl(input, bias)
 
     newer_impl.calls = 0
-    device = _kernel_device()
+    device = kernel_device()
     y = torch.randn(4, 16, device=device)
     module = LckMegatronSwiGLU(fallback_impl=newer_impl)
     module(y, None, False, False, None)  # positional, at its default: lck runs it
@@ -185,7 +176,7 @@ def test_validation_names_the_argument() -> None:
 
 
 def test_non_contiguous_input_is_copied() -> None:
-    device = _kernel_device()
+    device = kernel_device()
     base = torch.randn(8, 40, device=device)
     y = base[:, :32]  # row stride 40: not Megatron's layout, but accepted
     out = LckMegatronSwiGLU(fallback_impl=None)(y, None, False, False)
@@ -211,7 +202,7 @@ def test_default_fallback_is_megatrons_original_even_when_patched() -> None:
 def test_bias_falls_back_to_megatron_with_megatrons_numerics(dtype) -> None:
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
-    device = _kernel_device()
+    device = kernel_device()
     y = torch.randn(5, 2, 32, dtype=dtype, device=device, requires_grad=True)
     bias = torch.randn(32, dtype=dtype, device=device, requires_grad=True)
     module = LckMegatronSwiGLU()
@@ -226,7 +217,7 @@ def test_deepcopy_and_pickle_keep_the_module_working() -> None:
     import copy
     import io
 
-    device = _kernel_device()
+    device = kernel_device()
     module = LckMegatronSwiGLU(fallback_impl=reference_impl, in_place=True)
     module(torch.randn(4, 16, device=device), torch.ones(16, device=device), False, False)  # log a reason
     for clone in (copy.deepcopy(module), _pickled(module, io)):

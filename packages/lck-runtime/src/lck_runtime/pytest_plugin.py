@@ -6,7 +6,7 @@
 - ``megatron``: needs megatron-core.
 
 Missing hardware or tools skip with the reason; nothing fails for lack of a GPU. Tests without the ``gpu``
-marker test the CPU paths: the fixture ``_cpu_tests_hide_cuda`` marks them (``LCK_TEST_CPU=1``) and
+marker test the CPU paths: the fixture ``_mark_cpu_tests`` marks them (``LCK_TEST_CPU=1``) and
 ``run_workers`` then starts their ranks with no GPU visible, as on the CPU runners; on a GPU machine they
 would otherwise pick CUDA devices. The test process keeps its own view: changing ``CUDA_VISIBLE_DEVICES``
 after CUDA may have started would leave torch and the driver disagreeing. A package's
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -71,7 +70,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _cpu_tests_hide_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _mark_cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("LCK_TEST_CPU", "1")
-    yield
