@@ -69,20 +69,59 @@ def test_bad_steps() -> None:
         demo.main(["--steps", "1"])
 
 
+def _learned(payload: dict) -> None:
+    # Both runs left ln(vocab) far behind and came close to the corpus' floor.
+    floor = payload["summary"]["corpus_floor"]
+    for r in payload["runs"]:
+        tail = r["losses"][-len(r["losses"]) // 10 :]
+        assert sum(tail) / len(tail) < floor + 0.5, (r["name"], floor, tail)
+
+
 @pytest.mark.gpu
 def test_gpu_demo_torch_backend(tmp_path) -> None:
-    assert demo.main(["--steps", "40", "--backend", "torch", "--out", str(tmp_path)]) == 0
-    _check_outputs(tmp_path, 40, ("torch", "lck"))
+    # The defaults a user runs (200 steps): a short run would end before bf16 runs could drift apart.
+    assert demo.main(["--backend", "torch", "--out", str(tmp_path)]) == 0
+    _learned(_check_outputs(tmp_path, 200, ("torch", "lck")))
 
 
 @pytest.mark.gpu
 @pytest.mark.megatron
 def test_gpu_demo_megatron_backend(tmp_path) -> None:
-    assert demo.main(["--steps", "40", "--backend", "megatron", "--out", str(tmp_path)]) == 0
-    payload = _check_outputs(tmp_path, 40, ("megatron", "megatron+lck"))
+    assert demo.main(["--backend", "megatron", "--out", str(tmp_path)]) == 0
+    steps = 200
+    payload = _check_outputs(tmp_path, steps, ("megatron", "megatron+lck"))
+    _learned(payload)
     assert "Megatron-Core GPTModel" in payload["where"]
     calls = payload["runs"][1]["lck_calls"]
     # 4 layers: SwiGLU 4 calls a step, RMSNorm 2 per layer + the final one, the loss once.
-    assert calls["swiglu"] == {"lck": 4 * 40, "fallback": 0}, calls
-    assert calls["rms_norm"] == {"lck": 9 * 40, "torch": 0}, calls
-    assert calls["cross_entropy"] == {"lck": 40, "fallback": 0}, calls
+    assert calls["swiglu"] == {"lck": 4 * steps, "fallback": 0}, calls
+    assert calls["rms_norm"] == {"lck": 9 * steps, "torch": 0}, calls
+    assert calls["cross_entropy"] == {"lck": steps, "fallback": 0}, calls
+
+
+def test_markov_chain_floor_and_sampling() -> None:
+    from lck_megatron._demo_models import MarkovChain
+
+    chain = MarkovChain(vocab=50, seed=3)
+    tokens = chain.sample(steps=3, batch=2, seq=40)
+    assert tokens.shape == (3, 2, 41) and tokens.dtype == torch.long
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < 50
+    # Every transition is one of the previous token's four successors.
+    prev, nxt = tokens[..., :-1].reshape(-1), tokens[..., 1:].reshape(-1)
+    assert bool((chain.successors[prev] == nxt[:, None]).any(-1).all())
+    # Same seed, same corpus.
+    assert torch.equal(MarkovChain(vocab=50, seed=3).sample(3, 2, 40), tokens)
+    # The floor: distinct successors give the entropy of the pick probabilities; a token whose four
+    # successors are one token is certain (0 nats); repeats in between merge their probabilities.
+    p = torch.tensor(MarkovChain.PROBS, dtype=torch.float64)
+    chain.successors = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [5, 5, 6, 7]])
+
+    def only(t: int) -> torch.Tensor:  # one predicted position, after token t
+        return torch.tensor([[t, 0]])
+
+    assert chain.floor(only(0)) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-12)
+    assert chain.floor(only(1)) == 0.0
+    merged = p[0] + p[1]
+    want = -(p[0] * merged.log() + p[1] * merged.log() + p[2] * p[2].log() + p[3] * p[3].log())
+    assert chain.floor(only(2)) == pytest.approx(float(want), rel=1e-12)
+    assert chain.floor(torch.tensor([[0, 1, 0]])) == pytest.approx(float(-(p * p.log()).sum()) / 2, rel=1e-12)

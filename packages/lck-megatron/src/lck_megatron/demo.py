@@ -57,7 +57,7 @@ class RunResult:
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lck demo", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--steps", type=int, default=None, help="training steps per run (default: 60 on CPU, 200 on GPU)"
+        "--steps", type=int, default=None, help="training steps per run (default: 40 on CPU, 200 on GPU)"
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
 
     shape = _cpu_shape() if device.type == "cpu" else _gpu_shape()
-    steps = args.steps or (60 if device.type == "cpu" else 200)
+    steps = args.steps or (40 if device.type == "cpu" else 200)
     if device.type == "cpu":
         where = "CPU: running a tiny configuration through the Triton interpreter (TRITON_INTERPRET=1)"
     else:
@@ -288,14 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     from lck_megatron._demo_models import markov_batches
     from lck_runtime.benchmarking import Progress, provenance
 
-    data = markov_batches(steps, shape, args.seed)
+    data, floor = markov_batches(steps, shape, args.seed)
     if device.type == "cuda":
         data = data.pin_memory()
     progress = Progress(2 * (steps // _report_every(steps)), "lck demo")
     t0 = time.monotonic()
     run = _run_megatron if use_megatron else _run_torch
     results = run(shape, data, device, args.seed, progress)
-    summary = _report(results, shape, where, _tolerance(shape))
+    summary = _report(results, shape, where, _tolerance(shape), floor)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
