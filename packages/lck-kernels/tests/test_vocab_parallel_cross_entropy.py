@@ -283,6 +283,35 @@ def _compile_cases(group) -> None:
     torch.testing.assert_close(module_out, F.cross_entropy(full, target, reduction="sum"))
 
 
+def _single_rank_cases(rank: int) -> str:
+    """Groups of one rank (TP=1, each rank alone): the unsharded loss; local problems raise at once; a
+    target outside the vocabulary makes the loss and gradient NaN (no host read to raise from, as in
+    ``cross_entropy``) instead of raising."""
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_cross_entropy as ce
+
+    singles = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group
+    g = singles[rank]
+    _case(g, lead=(12,), vocab=40, targets="some_ignored", seed=60 + rank)
+    _case(g, lead=(3, 4), vocab=40, reduction="mean", label_smoothing=0.1, seed=62 + rank)
+    gen = torch.Generator().manual_seed(64 + rank)
+    z = torch.randn(8, 40, generator=gen).requires_grad_(True)
+    t = torch.randint(0, 40, (8,), generator=gen)
+    t[5] = -100
+    for value in (40, -7):
+        bad = t.clone()
+        bad[3] = value
+        loss = ce(z, bad, g, reduction="none")
+        (grad,) = torch.autograd.grad(loss.sum(), z)
+        kept = t != -100  # an ignored row keeps its zero gradient
+        assert torch.isnan(loss).all() and torch.isnan(grad[kept]).all(), (value, loss, grad)
+        assert torch.equal(grad[~kept], torch.zeros_like(grad[~kept])), grad
+    # In range again (ignored entries included): finite and equal to torch.
+    torch.testing.assert_close(ce(z, t, g, reduction="sum"), F.cross_entropy(z, t, reduction="sum"))
+    return _expect_error(TypeError, lambda: ce(z, t.to(torch.int16), g), "rank 0", "target", "int16")
+
+
 def _world2_cpu(rank: int, world: int) -> dict[str, object]:
     import torch.distributed as dist
 
@@ -295,6 +324,7 @@ def _world2_cpu(rank: int, world: int) -> dict[str, object]:
             ("errors", lambda: _error_cases(g)),
             ("configured", lambda: _configured_cases(g)),
             ("compile", lambda: _compile_cases(g)),
+            ("single", lambda: _single_rank_cases(rank)),
         ],
     )
 
@@ -331,6 +361,53 @@ def test_configured_group_enforces_capacities(world2) -> None:
 @cpu_variant
 def test_compile_fullgraph_opcheck_and_module(world2) -> None:
     _section(world2, "compile")
+
+
+@cpu_variant
+def test_group_of_one_rank_checks_targets_on_the_device(world2) -> None:
+    messages = _section(world2, "single")
+    assert messages[0] == messages[1], messages  # each rank alone, the same local problem
+
+
+def _single_rank_gpu(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from lck_kernels import vocab_parallel_cross_entropy as ce
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
+
+    g, dev = dist.group.WORLD, torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(70)
+    z = torch.randn(4096, 32000, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(2048, 1024, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(32000, 1024, device=dev, generator=gen) / 32).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, 32000, (4096,), device=dev, generator=gen)
+    t[::7] = -100
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        a = ce(z, t, g, reduction="mean")
+        nll, _ = flsce(x, w, t[:2048], g, reduction="mean")
+        (a + nll).backward()
+        return a, nll
+
+    step()  # a warm-up: kernels compiled and loaded, the call's shapes agreed
+    torch.cuda.synchronize()
+    # A training step with TP=1 must not hold the host until the forward is done: any sync raises here.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, nll = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(a.double(), F.cross_entropy(z.double(), t), rtol=2e-2, atol=2e-2)
+    ref = F.cross_entropy(x.double() @ w.double().T, t[:2048])
+    torch.testing.assert_close(nll.double(), ref, rtol=2e-2, atol=2e-2)
+    bad = t.clone()
+    bad[9] = 32000
+    assert torch.isnan(ce(z, bad, g, reduction="none")).all()
+
+
+@pytest.mark.gpu
+def test_gpu_group_of_one_rank_has_no_host_sync() -> None:
+    run_workers(_single_rank_gpu, 1, backend="nccl", env=GPU_ENV, timeout=110)
 
 
 # ---------------------------------------------------------------------------------------------------------

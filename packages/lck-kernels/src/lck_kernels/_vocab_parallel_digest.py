@@ -4,7 +4,8 @@
 position-weighted hash) into float32 limbs, so that the ops can check, in the same collective that checks
 shapes, that every rank holds the same targets inside the vocabulary (``_vocab_parallel_group.agree``).
 ``_vp_verdict_kernel`` is that check on the device, for calls captured into a CUDA graph
-(``_vocab_parallel_capture``), where the host cannot read the gathered digests.
+(``_vocab_parallel_capture``), where the host cannot read the gathered digests, and for groups of one
+rank (:func:`range_verdict`), where a host read would only stall the host.
 """
 
 from __future__ import annotations
@@ -104,3 +105,13 @@ def target_verdict(rows: torch.Tensor, digest_at: int, vocab_size: int, out: tor
         rows, n_rows, width, digest_at, vocab_size, out,
         OFFSET=TARGET_OFFSET, BLOCK=next_power_of_2(width), num_warps=1,
     )  # fmt: skip
+
+
+def range_verdict(target: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    """A 0-D float32 tensor on ``target``'s device: 0.0 when every non-ignored target lies in
+    ``[0, vocab_size)``, else NaN. Two launches, no host read."""
+    digest = torch.empty(1, TARGET_FIELDS * TARGET_LIMBS, device=target.device, dtype=torch.float32)
+    target_digest(target, ignore_index, digest)
+    out = torch.empty((), device=target.device, dtype=torch.float32)
+    target_verdict(digest, 0, vocab_size, out)
+    return out

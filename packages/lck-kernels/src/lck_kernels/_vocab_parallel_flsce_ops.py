@@ -160,7 +160,7 @@ def _vp_flsce_fwd(
         nll_out = nll.view(shape)
     else:
         nll_out = nll.sum() if reduction == 1 else nll.sum() / (t != ignore_index).sum()
-    if verdict is not None:  # captured into a CUDA graph: NaN where an eager call would have raised
+    if verdict is not None:  # captured, or a group of one rank: NaN where an agreement would have raised
         nll_out.add_(verdict)
         lse.add_(verdict)
     return (

@@ -204,6 +204,11 @@ def agree(
     lies outside ``[0, vocab_size)`` without being ``ignore_index``. One small all-reduce and a host sync;
     returns None.
 
+    A group of one rank has no peer to agree with: its local problems raise from the host, and the target
+    range is checked on the device (no host sync, which would hold the host until the forward is done,
+    once per call): the return value is then a 0-D float32 tensor, 0.0 or NaN, for the op to add to its
+    loss, as ``lck_kernels.cross_entropy`` turns such a target into NaN.
+
     Inside CUDA-graph capture the validity and fields are agreed through the host on the group's gloo
     mirror (the same errors on every rank, at capture time; the call's fields must also have been agreed
     eagerly before, on every rank), and the target checks run on the device at every replay: the return
@@ -214,7 +219,12 @@ def agree(
         raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")
     values = [_encode(f.value) for f in fields]
     row = _row(error, values)
-    if capture.capturing(device):
+    capturing = capture.capturing(device)
+    if tp.size == 1 and not capturing:
+        _raise_on_rejection_or_disagreement(op, tp, fields, [row])
+        capture.remember(tp.name, values, device, tp.group)  # a later capture needs this eager agreement
+        return None if target is None else D.range_verdict(target, ignore_index, vocab_size)
+    if capturing:
         agreed = error is None and capture.agreed_before(tp.name, values, device)
         rows = capture.host_rows(op, tp, [*row[:_TARGET_AT], 1.0 if agreed else 0.0])
         _raise_on_rejection_or_disagreement(op, tp, fields, rows)

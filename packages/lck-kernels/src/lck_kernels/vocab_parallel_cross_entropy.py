@@ -13,7 +13,8 @@ Communication (collective over ``group``, every rank must call with the same sha
    targets themselves and their range, each rank's input validity) and ends in a host sync, so a mismatch
    raises the *same* error on every rank before anything is launched (inside CUDA-graph capture the
    shapes and options must have been agreed by an eager call before, and the target checks run on the
-   device at each replay, giving a NaN loss instead of an error: ``_vocab_parallel_capture``);
+   device at each replay, giving a NaN loss instead of an error: ``_vocab_parallel_capture``; a group of
+   one rank has nothing to agree on and checks the target range on the device the same way);
 2. one all-reduce of the per-row shard statistics ``[tokens, tp, 5]`` (an all-gather written as a sum):
    through the runtime's FLSCE context (NVSHMEM when ``lck_runtime.configure(flsce=...)`` made one for this
    group; capacities checked against its ``FusedLinearCrossEntropyConfig`` first), or
@@ -115,7 +116,7 @@ def _vp_cross_entropy_fwd(
     loss, lse, _ = K.combine(
         stats, t, ignore_index=ignore_index, label_smoothing=label_smoothing, vocab_size=vocab
     )
-    if verdict is not None:  # captured into a CUDA graph: NaN where an eager call would have raised
+    if verdict is not None:  # captured, or a group of one rank: NaN where an agreement would have raised
         loss.add_(verdict)
         lse.add_(verdict)
     return loss.view(target.shape), lse.view(target.shape)
@@ -216,7 +217,9 @@ def vocab_parallel_cross_entropy(
 
     Validation: local problems (dtype, device, shape, stride, option range) and disagreements between the
     ranks (token count, shard size, options, targets, target range, runtime context) raise the same
-    ``TypeError``/``ValueError`` on every rank; so does exceeding the configured capacities.
+    ``TypeError``/``ValueError`` on every rank; so does exceeding the configured capacities. A group of one
+    rank skips the agreement's host read (it would hold the host until the forward is done, once per call):
+    a target outside the vocabulary makes the loss NaN there instead of raising, as ``cross_entropy`` does.
 
     CUDA graphs: the op can be captured once an eager call with the same shapes and options has run on
     the group (a warm-up; otherwise capture raises). At capture time the local problems and disagreements

@@ -143,7 +143,8 @@ def vocab_parallel_fused_linear_scaled_cross_entropy(
     Validation: local problems (dtype, device, shape, stride, options) and disagreements between the ranks
     (tokens, hidden size, shard size, dtype, options, which inputs need gradients, targets and their range,
     runtime context) raise the same ``TypeError``/``ValueError`` on every rank; so does exceeding the
-    configured capacities, before any kernel runs.
+    configured capacities, before any kernel runs. A group of one rank skips the agreement's host read: a
+    target outside the vocabulary makes nll and lse NaN there instead of raising.
 
     CUDA graphs: forward and backward can be captured once an eager call with the same shapes and options
     has run on the group (a warm-up; otherwise capture raises). At capture time the local problems and
