@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -34,10 +33,10 @@ def assert_close(
 
 def kernel_device() -> torch.device:
     """Where a test runs lck's Triton kernels: the CPU under TRITON_INTERPRET=1, else CUDA, else skip."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
+    from lck_kernels._common import kernel_device_type
+
+    if kernel_device_type() == "cpu" or torch.cuda.is_available():
+        return torch.device(kernel_device_type())
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 

@@ -218,12 +218,13 @@ def agree(
     if len(fields) > N_FIELDS:
         raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")
     values = [_encode(f.value) for f in fields]
-    row = _row(error, values)
     capturing = capture.capturing(device)
-    if tp.size == 1 and not capturing:
-        _raise_on_rejection_or_disagreement(op, tp, fields, [row])
+    if tp.size == 1 and not capturing:  # one rank cannot disagree with itself: only its own error can raise
+        if error is not None:
+            _raise_on_rejection_or_disagreement(op, tp, fields, [_row(error, values)])
         capture.remember(tp.name, values, device, tp.group)  # a later capture needs this eager agreement
         return None if target is None else D.range_verdict(target, ignore_index, vocab_size)
+    row = _row(error, values)
     if capturing:
         agreed = error is None and capture.agreed_before(tp.name, values, device)
         rows = capture.host_rows(op, tp, [*row[:_TARGET_AT], 1.0 if agreed else 0.0])

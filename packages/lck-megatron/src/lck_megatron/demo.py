@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "name": r.name,
                 "losses": r.losses,
+                "final_loss": r.final_loss(),
                 "step_seconds": r.step_s,
                 "tokens_per_s": r.tokens_per_s,
                 "peak_mib": r.peak_mib,
