@@ -23,18 +23,27 @@ def test_native_support_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert nv.native_support(torch.device("cpu"))[1] == "device is cpu, not CUDA"
 
 
+def test_parse_size_reads_nvshmem_size_strings() -> None:
+    assert nv.parse_size("1073741824") == 1 << 30
+    assert nv.parse_size("4G") == nv.parse_size("4g") == 4 << 30
+    assert nv.parse_size(" 512m ") == 512 << 20 and nv.parse_size("1.5k") == 1536
+    assert nv.parse_size("2T") == 2 << 40
+    for bad in (None, "", "G", "lots", "-1G", "0", "1Q", "inf"):
+        assert nv.parse_size(bad) is None, bad
+
+
 def test_env_defaults_and_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    small = nv.env_defaults(single_host=True, heap_bytes=10 << 20)
+    small = nv.env_defaults(single_host=True, heap_bytes=nv.heap_for(10 << 20, 3))
     assert small == {
         "NVSHMEM_DISABLE_NVLS": "1",
         "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30),
         "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
         "NVSHMEM_REMOTE_TRANSPORT": "none",
     }
-    big = nv.env_defaults(single_host=False, heap_bytes=3 << 30)
+    big = nv.env_defaults(single_host=False, heap_bytes=nv.heap_for(3 << 30, 2))
     assert set(big) == {"NVSHMEM_DISABLE_NVLS", "NVSHMEM_SYMMETRIC_SIZE"}
     size = int(big["NVSHMEM_SYMMETRIC_SIZE"])
-    assert size >= (3 << 30) + (256 << 20) and size % (2 << 20) == 0
+    assert size >= (3 << 30) + 2 * nv.ALLOC_MARGIN + nv.HEAP_SLACK and size % (2 << 20) == 0
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "4G")
     monkeypatch.delenv("NVSHMEM_REMOTE_TRANSPORT", raising=False)
     monkeypatch.delenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", raising=False)

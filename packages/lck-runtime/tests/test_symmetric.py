@@ -111,3 +111,93 @@ def test_every_rank_issues_the_same_collective_sequence() -> None:
         ("free", 256, "torch.float32"), ("destroy_team",), ("destroy_team",), ("destroy_team",), ("finalize",),
     ]  # fmt: skip
     assert calls == expected
+
+
+def _heap(rank: int, world: int) -> dict:
+    """NVSHMEM's heap is fixed at its init: the first configure sizes it (or checks the user's size) and a
+    later section that does not fit is refused on every rank before anything changes."""
+    import importlib
+    import os
+
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_runtime import fake_nvshmem
+    from lck_runtime import nvshmem as nv
+    from lck_runtime.state import STATE
+
+    rec = fake_nvshmem.install(rank, world)
+    inits: list[dict] = []
+    fake_init = nv.NvshmemOwner.init
+
+    def init(cls: Any, uid: bytes, **kw: Any) -> Any:  # what NVSHMEM would read at its init
+        inits.append({k: os.environ.get(k) for k in ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_NVLS")})
+        return fake_init(uid, **kw)
+
+    nv.NvshmemOwner.init = classmethod(init)
+    C = importlib.import_module("lck_runtime.configure")  # the module (the package exports the function)
+    planned: list = []
+    plan_of = C.planned_reservations
+    C.planned_reservations = lambda *a: planned.append(plan_of(*a)) or planned[-1]
+
+    def err(fn: Any, **kw: Any) -> str:
+        try:
+            fn(**kw)
+        except ValueError as exc:
+            return str(exc)
+        raise AssertionError("did not raise")
+
+    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    every = dist.new_group(list(range(world)))
+    F, M = L.FusedLinearCrossEntropyConfig, L.MoEConfig
+    moe = M(max_tokens=1024, hidden_size=4084, num_experts=4, top_k=2, group="tp")  # 8 MiB per member
+    first = {"process_groups": {"tp": tp}, "flsce": F(64, 32, 64, group="tp"), "moe": moe}
+    out: dict[str, Any] = {}
+    os.environ.pop("NVSHMEM_DISABLE_NVLS", None)
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "260M"  # below 256 MiB of NVSHMEM state + 16 MiB workspace
+    out["too small"] = err(L.configure, **first)
+    out["after too small"] = (STATE.configured, len(inits), len(rec.calls))
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "300M"
+    L.configure(**first)
+    out["env at init"] = inits
+    out["heap"] = STATE.heap_bytes
+    out["reserved as planned"] = [(r.label, r.nbytes) for r in STATE.pool.reservations] == planned[-1]
+    out["planned"] = planned[-1]
+    digest, calls = STATE.digest(), len(rec.calls)
+    # A second EP section over all four ranks needs 32 MiB more: beyond what the 300 MiB heap has left.
+    out["no room"] = err(L.configure, process_groups={"all": every}, moe=M(1024, 4084, 4, 2, group="all"))
+    out["unchanged"] = STATE.digest() == digest and len(rec.calls) == calls
+    L.configure(process_groups={"solo": solo}, flsce=F(64, 32, 64, group="solo"))  # reuses the scratch
+    out["solo planned"] = planned[-1]
+    L.finalize()
+    return out
+
+
+def test_heap_is_sized_at_init_and_later_sections_must_fit() -> None:
+    from lck_runtime import nvshmem as nv
+
+    outs = run_workers(_heap, 4, timeout=300)
+    mib = 1 << 20
+    for rank, o in enumerate(outs):
+        assert o == {**outs[0], "env at init": o["env at init"]}, f"rank {rank} saw something else"
+        assert "NVSHMEM_SYMMETRIC_SIZE is set" in o["too small"] and "at least" in o["too small"]
+        assert o["after too small"] == (False, 0, 0), "a refused first configure initialised or split"
+        # NVSHMEM reads its environment at init: lck's defaults must be in place by then.
+        assert o["env at init"] == [{"NVSHMEM_SYMMETRIC_SIZE": "300M", "NVSHMEM_DISABLE_NVLS": "1"}]
+        assert o["heap"] == 300 * mib and o["reserved as planned"]
+        labels = [label for label, _ in o["planned"]]
+        assert labels == [
+            "flsce.scratch", "flsce[2x1].p2p", "flsce[2x1].p2p_flags", "flsce[2x1].p2p_ll",
+            "moe[2x1].workspace", "moe[2x1].signals",
+        ]  # fmt: skip
+        assert dict(o["planned"])["moe[2x1].workspace"] == 2 * 8 * mib
+        assert "moe[4x1].workspace 32.0 MiB" in o["no room"] and "nothing was changed" in o["no room"]
+        assert "sized by the first configure" in o["no room"] and o["unchanged"]
+        assert o["solo planned"] == []
+    # Without a user setting, the first configure asks for room for everything it reserves.
+    need = sum(b for _, b in outs[0]["planned"])
+    assert (
+        nv.heap_for(need, 6) == 1 << 30
+        and nv.heap_for(2 << 30, 6) == (2 << 30) + 6 * nv.ALLOC_MARGIN + nv.HEAP_SLACK
+    )

@@ -23,6 +23,7 @@ and step 4.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -31,11 +32,20 @@ from lck_runtime import nvshmem as nv
 from lck_runtime import p2p
 from lck_runtime.agreement import Domain, agree, exchange, summarize_errors
 from lck_runtime.config import FusedLinearCrossEntropyConfig, MoEConfig
-from lck_runtime.configure_checks import Request, Setup, local_request, plan_setup, resolve_device
+from lck_runtime.configure_checks import (
+    Request,
+    Setup,
+    check_heap,
+    local_request,
+    one_host_per_group,
+    plan_setup,
+    planned_reservations,
+    resolve_device,
+)
 from lck_runtime.contexts import FlsceContext, MoEContext
 from lck_runtime.groups import GroupEntry, membership
 from lck_runtime.state import STATE, RuntimeState
-from lck_runtime.symmetric import SIGNAL_WORDS_PER_PEER, moe_workspace_bytes, scratch_numel
+from lck_runtime.symmetric import SIGNAL_WORDS_PER_PEER, moe_workspace_bytes
 
 __all__ = ["configure", "domain_of", "is_native", "resolve_device"]
 
@@ -68,21 +78,10 @@ def domain_of(bootstrap_group: Any, what: str) -> Domain:
     return Domain(group=group, ranks=ranks, local_rank=ranks.index(dist.get_rank()))
 
 
-def _heap_bytes(req: Request, setup: Setup) -> int:
-    total = 0
-    if req.flsce is not None:
-        total += scratch_numel(req.flsce.capacity) * 4
-    if req.moe is not None and setup.moe_partition is not None:
-        size = setup.moe_partition.size
-        total += moe_workspace_bytes(req.moe, size) + SIGNAL_WORDS_PER_PEER * size * 8
-    return total
-
-
-def _bring_up(st: RuntimeState, domain: Domain, req: Request, setup: Setup) -> None:
+def _bring_up(st: RuntimeState, domain: Domain, req: Request, setup: Setup, heap_bytes: int) -> None:
     """NVSHMEM init over the bootstrap group (collective); every rank learns whether all succeeded."""
-    applied = nv.apply_env(
-        nv.env_defaults(single_host=len(set(setup.hosts)) == 1, heap_bytes=_heap_bytes(req, setup))
-    )
+    applied = nv.apply_env(nv.env_defaults(single_host=len(set(setup.hosts)) == 1, heap_bytes=heap_bytes))
+    st.heap_bytes = nv.parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE"))
     uid, error = None, None
     if domain.local_rank == 0:
         try:
@@ -158,6 +157,13 @@ def configure(
         error = exc
     gathered = agree(domain, "configure", error=error, plan=plan, facts=facts)
     setup = plan_setup(st, domain, req, gathered)
+    planned = planned_reservations(st, req, setup)
+    # What lck asks NVSHMEM for on the first call, unless the user set (and every rank agreed on) a size.
+    default_heap = nv.heap_for(sum(b for _, b in planned), len(planned))
+    if req.native:
+        user = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+        first = default_heap if user is None else nv.parse_size(user)
+        check_heap(st, planned, st.heap_bytes if st.configured else first)
 
     # Nothing has changed so far; from here on every rank performs the same collective steps.
     if not st.configured:
@@ -165,7 +171,7 @@ def configure(
         st.native, st.native_reason = req.native, req.native_reason
         if req.native:
             try:
-                _bring_up(st, domain, req, setup)
+                _bring_up(st, domain, req, setup, default_heap)
             except BaseException:
                 st.reset()
                 raise
@@ -190,7 +196,7 @@ def configure(
             allocated |= st.pool.scratch is None
             scratch = st.pool.ensure_scratch(st.flsce_reserved.capacity, nvs)
             p2p_buffers = None
-            if nvs is not None and part.size > 1 and _one_host_per_group(setup, part):
+            if nvs is not None and part.size > 1 and one_host_per_group(setup, part):
                 tag = f"flsce[{part.size}x{part.stride}]"
                 slot = p2p.slot_floats(part.size, st.flsce_reserved.capacity)
                 p2p_buffers = (
@@ -262,10 +268,6 @@ def configure(
             stacklevel=2,
         )
     return st.native
-
-
-def _one_host_per_group(setup: Setup, part: Any) -> bool:
-    return all(len({setup.hosts[r] for r in g}) == 1 for g in part.groups)
 
 
 def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> tuple[list[Any], str | None]:

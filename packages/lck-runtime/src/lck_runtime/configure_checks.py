@@ -16,12 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lck_runtime import nvshmem as nv
+from lck_runtime import p2p
 from lck_runtime.agreement import Domain
 from lck_runtime.config import FusedLinearCrossEntropyConfig, MoEConfig
 from lck_runtime.groups import Partition, check_partition, membership
 from lck_runtime.state import RuntimeState
+from lck_runtime.symmetric import SIGNAL_WORDS_PER_PEER, moe_workspace_bytes, scratch_numel
 
-__all__ = ["Request", "Setup", "local_request", "plan_setup", "resolve_device"]
+__all__ = [
+    "Request",
+    "Setup",
+    "check_heap",
+    "local_request",
+    "one_host_per_group",
+    "plan_setup",
+    "planned_reservations",
+    "resolve_device",
+]
 
 
 def resolve_device(device: Any) -> Any:
@@ -349,3 +360,67 @@ def _shared_gpus_allowed(value: str | None) -> bool:
     if value == "1":
         return True
     raise ValueError(f"configure: {SHARED_GPUS_ENV}={value!r}: expected 0 or 1")
+
+
+def one_host_per_group(setup: Setup, part: Partition) -> bool:
+    """Every group of ``part`` sits on one machine (its members can map each other's memory)."""
+    return all(len({setup.hosts[r] for r in g}) == 1 for g in part.groups)
+
+
+def planned_reservations(st: RuntimeState, req: Request, setup: Setup) -> list[tuple[str, int]]:
+    """(label, bytes) of the symmetric reservations this configure call makes, in the order it makes them.
+
+    A pure function of agreed data, so it is the same list on every rank; ``configure`` reserves exactly
+    these (a test compares the two)."""
+    out: list[tuple[str, int]] = []
+    if req.flsce is not None and setup.flsce_partition is not None and setup.new_flsce:
+        part = setup.flsce_partition
+        capacity = (st.flsce_reserved or req.flsce).capacity
+        if st.pool.scratch is None:
+            out.append(("flsce.scratch", scratch_numel(capacity) * 4))
+        if req.native and part.size > 1 and one_host_per_group(setup, part):
+            tag, slot = f"flsce[{part.size}x{part.stride}]", p2p.slot_floats(part.size, capacity)
+            out += [
+                (f"{tag}.p2p", p2p.recv_numel(part.size, slot) * 4),
+                (f"{tag}.p2p_flags", p2p.flags_numel(part.size) * 8),
+                (f"{tag}.p2p_ll", p2p.ll_numel(part.size) * 8),
+            ]
+    if req.moe is not None and setup.moe_partition is not None and setup.new_moe:
+        part = setup.moe_partition
+        tag = f"moe[{part.size}x{part.stride}]"
+        out += [
+            (f"{tag}.workspace", moe_workspace_bytes(req.moe, part.size)),
+            (f"{tag}.signals", SIGNAL_WORDS_PER_PEER * part.size * 8),
+        ]
+    return out
+
+
+def check_heap(st: RuntimeState, planned: list[tuple[str, int]], heap_bytes: int | None) -> None:
+    """Refuse, before anything changes, reservations that would not fit NVSHMEM's symmetric heap.
+
+    NVSHMEM fixes its heap at init (the first configure), so later sections must fit what is left. A pure
+    function of agreed data (the heap size is an agreed NVSHMEM setting, the pool's plan part of the agreed
+    runtime state): every rank raises the same error. ``heap_bytes`` None: unknown, nothing to check."""
+    need = sum(b for _, b in planned)
+    if heap_bytes is None or not need:
+        return
+    used = st.pool.nbytes
+    count = len(st.pool.reservations) + len(planned)
+    total = used + need + count * nv.ALLOC_MARGIN + nv.HEAP_SLACK
+    if total <= heap_bytes:
+        return
+    mib = 1 << 20
+    items = ", ".join(f"{label} {b / mib:.1f} MiB" for label, b in planned)
+    when = (
+        "NVSHMEM_SYMMETRIC_SIZE is set"
+        if not st.configured
+        else "NVSHMEM's heap was sized by the first configure"
+    )
+    raise ValueError(
+        f"configure: the symmetric reservations do not fit NVSHMEM's heap of {heap_bytes / mib:.0f} MiB "
+        f"({when}): this call needs {need / mib:.1f} MiB ({items}) on top of {used / mib:.1f} MiB already "
+        f"reserved, plus {nv.HEAP_SLACK / mib:.0f} MiB for NVSHMEM's own state and {nv.ALLOC_MARGIN / mib:.0f} "
+        f"MiB per reservation; a heap of at least {total / mib:.0f} MiB is needed. Reserve the largest "
+        "sections in the first configure, or set NVSHMEM_SYMMETRIC_SIZE on every rank before it (nothing "
+        "was changed)"
+    )

@@ -14,6 +14,7 @@ same order on every rank after an agreement round.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -23,9 +24,11 @@ __all__ = [
     "apply_env",
     "env_defaults",
     "foreign_init_status",
+    "heap_for",
     "mps_servers",
     "native_support",
     "owner",
+    "parse_size",
     "status",
 ]
 
@@ -43,7 +46,11 @@ AGREED_ENV = (
 # team creation (it exits the process), so lck stops before creating any team.
 STATUS_LIMITED_MPG = 3
 _MIN_HEAP = 1 << 30  # NVSHMEM's own default heap
-_HEAP_SLACK = 256 << 20  # room for NVSHMEM's internal symmetric state (team psyncs, signals)
+HEAP_SLACK = 256 << 20  # room for NVSHMEM's internal symmetric state (team psyncs, signals)
+ALLOC_MARGIN = (
+    1 << 20
+)  # per reservation, for the allocator's alignment and bookkeeping (a bound, not measured)
+_SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 _owner: NvshmemOwner | None = None
 # NVSHMEM's init status right after lck's own finalize: a later configure may re-initialise from it,
@@ -129,9 +136,33 @@ def mps_servers(attempts: int = 8) -> list[str] | None:
     return [] if answered else None
 
 
+def heap_for(reserved_bytes: int, reservations: int) -> int:
+    """The symmetric heap lck asks for when the first configure reserves ``reserved_bytes`` in
+    ``reservations`` allocations: those, a margin per allocation and NVSHMEM's own state, at least 1 GiB."""
+    return max(_MIN_HEAP, reserved_bytes + reservations * ALLOC_MARGIN + HEAP_SLACK)
+
+
+def parse_size(text: str | None) -> int | None:
+    """Bytes of an ``NVSHMEM_SYMMETRIC_SIZE`` value (an optionally fractional number with an optional
+    k/m/g/t suffix, powers of 1024, as NVSHMEM reads it); None when unset or not of that form."""
+    if text is None:
+        return None
+    t = text.strip().lower()
+    unit = 1
+    if t and t[-1] in "kmgt":
+        unit, t = _SIZE_SUFFIX[t[-1]], t[:-1]
+    try:
+        value = float(t)
+    except ValueError:
+        return None
+    if not 0 < value < float("inf"):
+        return None
+    return math.ceil(value * unit)
+
+
 def env_defaults(*, single_host: bool, heap_bytes: int) -> dict[str, str]:
-    """The NVSHMEM settings lck applies where the user has not set them."""
-    heap = max(_MIN_HEAP, heap_bytes + _HEAP_SLACK)
+    """The NVSHMEM settings lck applies where the user has not set them (``heap_bytes``: see heap_for)."""
+    heap = heap_bytes
     heap = (heap + (2 << 20) - 1) // (2 << 20) * (2 << 20)  # the VMM granularity
     out = {
         # lck never uses NVLink multicast; NVLS setup also fails where the fabric manager forbids it.

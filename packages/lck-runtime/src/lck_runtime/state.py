@@ -21,6 +21,7 @@ class RuntimeState:
     native: bool = False
     native_reason: str = ""
     nvshmem: Any = None  # NvshmemOwner while native
+    heap_bytes: int | None = None  # NVSHMEM's symmetric heap, fixed at its init (None: unknown or not native)
     registry: GroupRegistry = field(default_factory=GroupRegistry)
     teams: TeamCache = field(default_factory=TeamCache)
     pool: SymmetricPool = field(default_factory=SymmetricPool)
