@@ -164,6 +164,29 @@ def test_rejit_when_an_included_header_changes(tmp_path, nvcc, clean_env):
     assert len(compiles(log)) == 2
 
 
+def test_rejit_when_an_undeclared_nested_header_changes(tmp_path, nvcc, clean_env):
+    """The key covers every header the build reads, not only those passed as ``headers``: here the source
+    includes a header that includes another, and neither is declared."""
+    script, log = nvcc
+    inc = tmp_path / "include"
+    (inc / "detail").mkdir(parents=True)
+    (inc / "jit_test_header.cuh").write_text('#include "detail/offset_value.cuh"\n')
+    nested = inc / "detail" / "offset_value.cuh"
+
+    def build():
+        return Jit(cache_dir=tmp_path / "cache", nvcc=script).build(
+            "offset", HEADER_SOURCE, "offset_kernel", arch="sm_90a", include_dirs=[inc]
+        )
+
+    nested.write_text("#define JIT_TEST_OFFSET 1.0f\n")
+    one = build()
+    assert not one.from_cache and build().from_cache
+    nested.write_text("#define JIT_TEST_OFFSET 3.0f\n")
+    two = build()
+    assert not two.from_cache and two.key != one.key
+    assert len(compiles(log)) == 2
+
+
 def _race_worker(root: str, nvcc: str, barrier, results) -> None:
     try:
         barrier.wait(timeout=60)

@@ -32,6 +32,7 @@ from lck_runtime.jit.host import HostModule, load_host
 from lck_runtime.jit.kernel import Kernel
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
+_QUOTED_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"\n]+)"', re.MULTILINE)
 _SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
 
 
@@ -52,6 +53,27 @@ def _paths(items: Any, what: str) -> list[Path]:
             raise TypeError(f"build: {what} items must be paths, got {type(p).__name__} {p!r}")
         out.append(Path(p))
     return out
+
+
+def _included_headers(source: str, dirs: list[Path], declared: list[Path]) -> list[Path]:
+    """Every header the build reads through quoted includes, found the way nvcc looks for them: a header's
+    own directory first (the source's is the build's scratch folder, so not for it), then ``dirs`` in
+    order; recursively, each file once. Angle-bracket includes are the toolkit's, covered by the nvcc
+    version in the key. An include found nowhere is left to nvcc to report."""
+    found: dict[Path, None] = {p.resolve(): None for p in declared}
+    todo: list[tuple[str, Path | None]] = [(source, None)]
+    todo += [(p.read_text(errors="replace"), p.resolve().parent) for p in declared]
+    while todo:
+        text, here = todo.pop()
+        for name in _QUOTED_INCLUDE_RE.findall(text):
+            for d in ([here] if here is not None else []) + dirs:
+                cand = (d / name).resolve()
+                if cand.is_file():
+                    if cand not in found:
+                        found[cand] = None
+                        todo.append((cand.read_text(errors="replace"), cand.parent))
+                    break
+    return list(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,20 +166,24 @@ class Jit:
             raise JitConfigError(f"build: kernel must be a C symbol name, got {kernel!r}")
         arch = check_arch(arch)
         defs = define_flags(defines, self.settings.extra_defines)
-        header_hashes = []
-        for h in _paths(headers, "headers"):
-            try:
-                data = h.read_bytes()
-            except OSError as exc:
-                raise JitConfigError(f"build: headers entry {str(h)!r} cannot be read: {exc}") from exc
-            header_hashes.append([h.name, hashlib.sha256(data).hexdigest()])
-        header_hashes.sort()
+        declared = _paths(headers, "headers")
+        for h in declared:
+            if not h.is_file():
+                raise JitConfigError(f"build: headers entry {str(h)!r} is not a readable file")
         dirs = []
         for d in _paths(include_dirs, "include_dirs"):
             if not d.is_dir():
                 raise JitConfigError(f"build: include_dirs entry {str(d)!r} is not a directory")
-            dirs.append(str(d.resolve()))
-        flags = cubin_flags(arch, defs, dirs)
+            dirs.append(d.resolve())
+        header_hashes = []
+        for h in _included_headers(source, dirs, declared):
+            try:
+                data = h.read_bytes()
+            except OSError as exc:
+                raise JitConfigError(f"build: header {str(h)!r} cannot be read: {exc}") from exc
+            header_hashes.append([h.name, hashlib.sha256(data).hexdigest()])
+        header_hashes.sort()
+        flags = cubin_flags(arch, defs, [str(d) for d in dirs])
         nvcc = self.nvcc
         version = nvcc_version(nvcc)
         key = compute_key(
@@ -240,8 +266,9 @@ class Jit:
         """Compile (or find in the cache) and return a launchable :class:`Kernel`.
 
         ``name`` names the cache entry; ``source`` is CUDA C++ defining ``extern "C" __global__ <kernel>``;
-        ``defines`` become ``-DNAME=VALUE`` (then the environment's extra flags); ``headers`` are the
-        files the source includes (their content hashes are part of the key); ``arch=None`` detects
+        ``defines`` become ``-DNAME=VALUE`` (then the environment's extra flags); the content hashes of
+        ``headers`` and of every header reached through quoted ``#include`` lines (in ``include_dirs``,
+        recursively) are part of the key; ``arch=None`` detects
         the target from the current CUDA device. Everything is validated before nvcc runs. The cubin
         is loaded onto a device at its first launch (or :meth:`Kernel.load`).
         """
