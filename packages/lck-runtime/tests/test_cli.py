@@ -41,6 +41,36 @@ def test_doctor_text_mentions_nvshmem_and_cache() -> None:
     assert "NVSHMEM" in text and "JIT cache" in text and "torch" in text
 
 
+def test_doctor_summarizes_each_jit_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from lck_runtime.jit.cache import summarize
+
+    root = tmp_path / "lck"
+    monkeypatch.setenv("LCK_JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "ep"))
+    assert summarize(root) == {"path": str(root), "exists": False}
+    root.mkdir(mode=0o700)
+    for name, payload in (("_host-0123456789abcdef", 1000), ("scale-fedcba9876543210", 24)):
+        (root / name).mkdir()
+        (root / name / "meta.json").write_text("{}")
+        (root / name / "payload").write_bytes(b"x" * payload)
+    (root / "torn-0000000000000000").mkdir()  # no meta.json: not a published entry
+    (root / ".tmp").mkdir()
+    got = summarize(root)
+    assert got == {
+        "path": str(root),
+        "exists": True,
+        "private": True,
+        "entries": 2,
+        "bytes": 1028,
+        "host_module": True,
+    }
+    text = doctor._render(doctor.collect())
+    assert f"lck: {root}, 2 entries" in text and "host module built, private" in text
+    assert f"lck-ep: {tmp_path / 'ep'} (not created yet" in text
+    root.chmod(0o777)
+    assert "NOT private" in doctor._render(doctor.collect())
+
+
 def test_jit_cache_dir_follows_prefix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from lck_runtime.paths import jit_cache_dir
 

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lck_runtime.jit.cache import summarize
 from lck_runtime.nvshmem import NATIVE_ARCHS
 from lck_runtime.nvshmem import status as nvshmem_status
 from lck_runtime.paths import jit_cache_dir
@@ -101,6 +102,7 @@ def collect() -> dict[str, Any]:
         "layers": {name: _layer(name) for name in LAYERS},
         "jit_cache_dir": str(jit_cache_dir("LCK")),
         "ep_jit_cache_dir": str(jit_cache_dir("EP")),
+        "jit_cache": {"lck": summarize(jit_cache_dir("LCK")), "lck-ep": summarize(jit_cache_dir("EP"))},
     }
     if torch.cuda.is_available():
         report["driver"] = _driver_version()
@@ -138,12 +140,21 @@ def _render(r: dict[str, Any]) -> str:
     )
     lines.extend(_render_nvshmem(r["nvshmem"]))
     lines.append(f"megatron     {r['megatron_core'] or 'not installed'}")
-    lines.append("layers       " + ", ".join(f"{k} {v}" for k, v in r["layers"].items() if v) or "none")
+    lines.append("layers       " + (", ".join(f"{k} {v}" for k, v in r["layers"].items() if v) or "none"))
     missing = [k for k, v in r["layers"].items() if not v and k != "lck"]
     if missing:
         lines.append(f"not installed {', '.join(missing)}")
-    lines.append(f"JIT cache    {r['jit_cache_dir']} (lck-ep: {r['ep_jit_cache_dir']})")
+    for i, (who, c) in enumerate(r["jit_cache"].items()):
+        lines.append(("JIT cache    " if i == 0 else "             ") + f"{who}: {_render_cache(c)}")
     return "\n".join(lines)
+
+
+def _render_cache(c: dict[str, Any]) -> str:
+    if not c["exists"]:
+        return f"{c['path']} (not created yet: the first kernel build creates it, private)"
+    host = "host module built" if c["host_module"] else "host module not built yet"
+    private = "private" if c["private"] else "NOT private: lck refuses a cache others can write to"
+    return f"{c['path']}, {c['entries']} entries, {c['bytes'] / (1 << 20):.1f} MiB, {host}, {private}"
 
 
 def _render_nvshmem(sh: dict[str, Any]) -> list[str]:

@@ -286,3 +286,25 @@ def get_or_create(
             _remove(tmp)
             raise
     return Entry(path=final, meta=meta, payload=payload, from_cache=False)
+
+
+def summarize(root: Path, host_entry: str = "_host") -> dict[str, Any]:
+    """What a cache root holds, for ``lck doctor``: whether it exists and is private (0700), its published
+    entries (a folder with a ``meta.json``) and their total size, and whether a host module is built there.
+    Reads only; unreadable parts count as absent."""
+    root = Path(root).expanduser()
+    out: dict[str, Any] = {"path": str(root), "exists": root.is_dir()}
+    if not out["exists"]:
+        return out
+    out["private"] = stat.S_IMODE(root.stat().st_mode) & 0o077 == 0
+    entries, size, host = 0, 0, False
+    for d in root.iterdir():
+        if d.name.startswith(".") or not (d / META).is_file():
+            continue
+        entries += 1
+        host |= d.name.startswith(host_entry + "-")
+        for f in d.iterdir():
+            with contextlib.suppress(OSError):
+                size += f.stat().st_size
+    out.update(entries=entries, bytes=size, host_module=host)
+    return out
