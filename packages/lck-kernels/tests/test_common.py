@@ -137,7 +137,16 @@ def test_public_names_are_the_ops():
 
     import lck_kernels
 
-    for name in ("rms_norm", "swiglu", "swiglu_packed", "LckRMSNorm", "LckSwiGLUMLP"):
+    for name in (
+        "rms_norm",
+        "swiglu",
+        "swiglu_packed",
+        "cross_entropy",
+        "LckRMSNorm",
+        "LckSwiGLUMLP",
+        "LckSwiGLUPacked",
+        "LckCrossEntropyLoss",
+    ):
         value = getattr(lck_kernels, name)
         assert not isinstance(value, types.ModuleType) and callable(value), name
         assert name in lck_kernels.__all__

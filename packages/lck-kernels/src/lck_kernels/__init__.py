@@ -17,8 +17,9 @@ from lck_kernels.fused_linear_scaled_cross_entropy import (
     fused_linear_scaled_cross_entropy,
 )
 from lck_kernels.rms_norm import LckRMSNorm, rms_norm
-from lck_kernels.swiglu import LckSwiGLUMLP, swiglu
-from lck_kernels.swiglu_packed import swiglu_packed
+from lck_kernels.swiglu import swiglu
+from lck_kernels.swiglu_mlp import LckSwiGLUMLP
+from lck_kernels.swiglu_packed import LckSwiGLUPacked, swiglu_packed
 from lck_kernels.vocab_parallel_cross_entropy import (
     LckVocabParallelCrossEntropy,
     vocab_parallel_cross_entropy,
@@ -39,6 +40,7 @@ __all__ = [
     "LckFusedLinearScaledCrossEntropy",
     "LckRMSNorm",
     "LckSwiGLUMLP",
+    "LckSwiGLUPacked",
     "LckVocabParallelCrossEntropy",
     "LckVocabParallelFusedLinearScaledCrossEntropy",
     "__version__",

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from lck_kernels._common import (
-    FLOAT_DTYPES,
     VECTOR_BYTES,
     cdiv,
     check_same_device,
@@ -245,35 +244,3 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     _check_swiglu_inputs("swiglu", a, b)
     return SwiGLUFunction.apply(a, b)
-
-
-class LckSwiGLUMLP(torch.nn.Module):
-    """Llama-style gated MLP: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
-
-    ``x``: ``[..., hidden_size]``; returns ``[..., hidden_size]``. The three projections are ``nn.Linear``
-    layers (``bias`` for all three), named as in Hugging Face checkpoints.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        bias: bool = False,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ):
-        super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LckSwiGLUMLP: {name} must be a positive int, got {value!r}")
-        if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise TypeError(f"LckSwiGLUMLP: dtype must be float32, float16 or bfloat16, got {dtype}")
-        kw = {"bias": bool(bias), "device": device, "dtype": dtype}
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
-        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

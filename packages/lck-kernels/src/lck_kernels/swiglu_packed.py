@@ -168,3 +168,24 @@ def swiglu_packed(y: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     if not isinstance(in_place, bool):
         raise TypeError(f"swiglu_packed: in_place must be a bool, got {type(in_place).__name__}")
     return SwiGLUPackedFunction.apply(y, in_place)
+
+
+class LckSwiGLUPacked(torch.nn.Module):
+    """The fused gate-up activation as a module: ``swiglu_packed(y, in_place)`` on ``[..., 2n]`` input.
+
+    For models whose first projection emits gate and up in one buffer (Megatron's ``linear_fc1``, a fused
+    ``gate_up_proj``). ``in_place=True`` writes the backward's gradient into that buffer (the buffer is not
+    kept for anything else; a second backward through the graph raises). No parameters.
+    """
+
+    def __init__(self, in_place: bool = False):
+        super().__init__()
+        if not isinstance(in_place, bool):
+            raise TypeError(f"LckSwiGLUPacked: in_place must be a bool, got {type(in_place).__name__}")
+        self.in_place = in_place
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return swiglu_packed(y, in_place=self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"in_place={self.in_place}"

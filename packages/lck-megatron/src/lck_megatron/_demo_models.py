@@ -116,7 +116,7 @@ class _Block(nn.Module):
         self.proj = nn.Linear(h, h, bias=False)
         self.mlp_norm = _norm(h, use_lck)
         if use_lck:
-            from lck_kernels.swiglu import LckSwiGLUMLP
+            from lck_kernels import LckSwiGLUMLP
 
             self.mlp = LckSwiGLUMLP(h, shape.ffn, bias=False)
         else:
