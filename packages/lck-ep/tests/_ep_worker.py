@@ -45,6 +45,8 @@ CASES = [
     Case("top8_bf16", "balanced", 8, 4, 100, torch.bfloat16, alignment=16),
     Case("skewed_top6_fp32", "skewed", 6, 3, 40, torch.float32, alignment=2),
     Case("duplicate_slots_fp32", "duplicates", 3, 2, 48, torch.float32, num_bias=1),
+    Case("top5_fp16_h56", "balanced", 5, 3, 56, torch.float16, alignment=4),
+    Case("minus_one_top7_bf16", "minus_one", 7, 2, 88, torch.bfloat16, alignment=8, num_bias=1),
 ]
 CASE_NAMES = [c.name for c in CASES]
 MISUSE = [

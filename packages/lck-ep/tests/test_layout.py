@@ -187,3 +187,50 @@ def test_kernel_refuses_what_it_cannot_hold(monkeypatch) -> None:
     monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", "7")
     with pytest.raises(KnobError, match="EP_NUM_TOPK_IDX_BITS=7"):
         layout_kernel(idx, 16, 2)
+
+
+def _layout_on_each_gpu(rank: int, world: int) -> list[str]:
+    """Each rank runs the kernel on its own GPU (cuda:rank: the cubin loads on a device other than 0) over
+    routings of its own and compares with the torch layout; the per-rank counts are then gathered, so the
+    tokens every rank expects from the others add up to what the senders' masks say they send."""
+    import torch.distributed as dist
+
+    from lck_ep.jit import layout_kernel
+
+    errors: list[str] = []
+    e = 64
+    for kind in KINDS:
+        g = torch.Generator().manual_seed(7919 * rank + len(kind))
+        idx = route(kind, 3000 + 17 * rank, 8, e, world, g).cuda()
+        got, want = layout_kernel(idx, e, world), layout_reference(idx, e, world)
+        for name, a, b in zip(want._fields, got, want):
+            if a.device != idx.device or not torch.equal(a, b):
+                errors.append(f"rank {rank} {kind}: {name} differs (device {a.device})")
+        sent = got.num_tokens_per_rank.to(torch.int64)
+        from_mask = got.is_token_in_rank.to(torch.int64).sum(0)
+        if not torch.equal(sent, from_mask):
+            errors.append(
+                f"rank {rank} {kind}: tokens per rank {sent.tolist()} != mask sums {from_mask.tolist()}"
+            )
+        table = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(table, sent)
+        mine = torch.stack(table)[:, rank].sum()  # what this rank receives from every sender
+        want_recv = torch.stack([layout_reference(
+            route(kind, 3000 + 17 * r, 8, e, world, torch.Generator().manual_seed(7919 * r + len(kind))),
+            e, world,
+        ).num_tokens_per_rank[rank] for r in range(world)]).sum()  # fmt: skip
+        if int(mine) != int(want_recv):
+            errors.append(
+                f"rank {rank} {kind}: receives {int(mine)} rows, senders' reference says {int(want_recv)}"
+            )
+    return errors
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.nvcc
+def test_kernel_equals_torch_layout_on_two_gpus(monkeypatch) -> None:
+    from lck_runtime.testing import run_workers
+
+    _env_clean(monkeypatch)
+    outs = run_workers(_layout_on_each_gpu, 2, backend="nccl", timeout=600)
+    assert outs == [[], []], outs

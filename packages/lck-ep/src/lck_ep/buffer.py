@@ -242,8 +242,9 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` int64, global expert indices in ``[0, E)`` or -1.
             topk_weights: optional ``[num_tokens, num_topk]`` float32.
             handle: replay the layout of an earlier dispatch of this Buffer (then ``x`` must have that
-                dispatch's ``num_tokens`` and ``topk_idx``/``topk_weights`` are not given); nothing is
-                recomputed or exchanged but the rows. Returns ``None`` for the routing outputs.
+                dispatch's ``num_tokens`` and ``topk_idx``/``topk_weights`` are not given): the layout
+                and counts are not recomputed and only the rows move (a synced call still agrees on its
+                arguments across ranks, one small all-gather). Returns ``None`` for the routing outputs.
             expand: return the expanded expert-major layout (see :mod:`lck_ep.handle`).
             expert_alignment: pad each expert's expanded segment to a multiple of this (1..4096;
                 ``expand=True`` only).
