@@ -4,7 +4,8 @@
 # plus a summary).
 #
 #   bash ci/device.sh [STAGE[:SECONDS][~KSEL]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
-#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-tune, host, flce-clocks, ep, ep-bench, tp,
+#   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-bench-x ($BENCH_ARGS), kernels-tune, host,
+#           flce-clocks, ep, ep-bench, tp, runtime-g (single-GPU tests selected by KSEL),
 #           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
 #           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon), script ($SCRIPT)
 set -uo pipefail
@@ -68,6 +69,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     kernels-bench) timeout "$limit" python3 -m lck_kernels.bench --out "$W/results-kernels" ;;
     kernels-bench-a) timeout "$limit" python3 -m lck_kernels.bench --only rms_norm swiglu --out "$W/results-kernels" ;;
     kernels-bench-b) timeout "$limit" python3 -m lck_kernels.bench --only cross_entropy fused_linear_cross_entropy --out "$W/results-kernels" ;;
+    kernels-bench-x) timeout "$limit" python3 -m lck_kernels.bench ${BENCH_ARGS:?} --out "$W/results-kernels" ;;
     kernels-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m "not multigpu" -k "${KSEL:?}" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
     runtime-bench) timeout "$limit" python3 -m lck_runtime.bench_all_reduce --out "$W/results-runtime" ;;
     kernels-tune) timeout "$limit" bash -c "python3 packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py; python3 packages/lck-kernels/benchmarks/tune_cross_entropy.py --budget-s ${TUNE_BUDGET:-200} --out $W/tune-ce" ;;
@@ -77,6 +79,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
+    runtime-g) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     runtime-k) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-k) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
     tp-bench) timeout "$limit" python3 -m lck_kernels.bench.tp --tp "${TP:-$NGPU}" --out "$W/results-tp" ;;

@@ -2,14 +2,17 @@
 
     python packages/lck-kernels/benchmarks/flce_clocks.py [--out DIR] [--seconds 8]
 
-On one GPU (8192 x 4096 -> 128256, bf16, 2048-token chunks as lck's default budget gives), four phases,
-while ``nvidia-smi`` samples the SM clock, the power draw and the active clock-event reasons every 50 ms:
+On one GPU (8192 x 4096 -> 128256, bf16, 2048-token chunks as lck's default budget gives), five phases,
+while ``nvidia-smi`` samples the SM clock, the power draw and the active clock-event reasons every 50 ms
+(a 2 s rest before each of phases 4 and 5):
 
 1. ``idle``: nothing queued (the baseline clock and power);
 2. ``gemms_burst``: the GEMMs of the fused op (per chunk: logits, dlogits @ W, the dW update), one call
    at a time with a 50 ms pause between calls, so each call starts from a rested GPU;
 3. ``gemms_sustained``: the same GEMMs back to back for ``--seconds``;
-4. ``lck_flce_sustained``: ``lck_kernels.fused_linear_cross_entropy`` forward+backward back to back.
+4. ``lck_flce_burst``: ``lck_kernels.fused_linear_cross_entropy`` forward+backward, one call at a time
+   with the same 50 ms pause: the fused op under the GEMMs' rested protocol;
+5. ``lck_flce_sustained``: the fused op back to back.
 
 Each phase records ms per call (CUDA events), TFLOP/s of the GEMMs, and the median SM clock, the median
 power and the share of samples in which the driver reported the software power cap. Writes
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("gemms_burst", *_timed(gemms, seconds=args.seconds / 2, pause_s=0.05)))
         phases.append(("gemms_sustained", *_timed(gemms, seconds=args.seconds)))
         time.sleep(2.0)  # let the clock recover before the fused op, as before the GEMMs
+        phases.append(("lck_flce_burst", *_timed(flce, seconds=args.seconds / 2, pause_s=0.05)))
+        time.sleep(2.0)
         phases.append(("lck_flce_sustained", *_timed(flce, seconds=args.seconds)))
         time.sleep(0.3)
     finally:
