@@ -1,11 +1,12 @@
 """Try a handful of launch configurations for the RMSNorm and SwiGLU kernels at the target shapes.
 
-    python packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py [--iters 30]
+    python packages/lck-kernels/benchmarks/tune_rms_norm_swiglu.py [--iters 30] [--wide]
 
 For each kernel and shape it times the default configuration and each candidate (overrides through
 ``lck_kernels._common.tuning``), checks every candidate's output once against a torch fp32 reference, and
 prints a table plus the best configuration per (kernel, shape), then the end-to-end forward+backward times
-of the public functions against the targets. Times are medians of CUDA-event timings
+of the public functions against the targets (``--wide``: RMSNorm rows wider than one block instead, the tiled
+path, with its tile width among the candidates). Times are medians of CUDA-event timings
 (``lck_runtime.benchmarking.time_cuda``). Needs one CUDA GPU; takes about a minute on an H200.
 """
 
@@ -31,6 +32,13 @@ ES = 2  # bf16
 RMS_SHAPE, RMS_TARGET = (16384, 4096), 0.20
 RMS_EXTRA_SHAPES = ((16384, 1024), (16384, 8192))  # hidden 1024: where lck trailed torch.compile most
 SWIGLU_SHAPES = (((8192, 32768), 1.20), ((8192, 4096), 0.15))
+# Rows wider than MAX_BLOCK (tiled): 20480 = 16384 + 4096, 18432 = 9 x 2048, 28672 = 7 x 4096.
+RMS_WIDE_SHAPES = ((4096, 20480), (4096, 18432), (2048, 28672))
+RMS_FWD_WIDE = [dict(BLOCK_N=b, ROWS=1, num_warps=w) for b in (2048, 4096, 8192) for w in (4, 8, 16)]
+RMS_BWD_WIDE = [
+    dict(BLOCK_N=b, ROWS=1, num_warps=w, PROGRAMS_PER_SM=p, PREFETCH=0)
+    for b in (2048, 4096, 8192) for w in (4, 8, 16) for p in (2, 4)
+]  # fmt: skip
 
 RMS_FWD = [dict(ROWS=r, num_warps=w) for r, w in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16))]
 # (ROWS, warps, programs per SM, look-ahead): the look-ahead keeps a load in flight during each step's
@@ -98,13 +106,13 @@ def _fmt(params: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
-def tune_rms_norm(rows_out, iters: int) -> None:
-    for m, n in (RMS_SHAPE, *RMS_EXTRA_SHAPES):
-        _tune_rms_norm_shape(m, n, rows_out, iters)
+def tune_rms_norm(rows_out, iters: int, wide: bool = False) -> None:
+    for m, n in RMS_WIDE_SHAPES if wide else (RMS_SHAPE, *RMS_EXTRA_SHAPES):
+        _tune_rms_norm_shape(m, n, rows_out, iters, wide)
         torch.cuda.empty_cache()
 
 
-def _tune_rms_norm_shape(m: int, n: int, rows_out, iters: int) -> None:
+def _tune_rms_norm_shape(m: int, n: int, rows_out, iters: int, wide: bool = False) -> None:
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -126,11 +134,11 @@ def _tune_rms_norm_shape(m: int, n: int, rows_out, iters: int) -> None:
         return max(_rel_err(dx, dx_ref), _rel_err(dw, dw_ref))
 
     _sweep(
-        "rms_norm_fwd", label, fwd_config(n, ES), RMS_FWD,
+        "rms_norm_fwd", label, fwd_config(n, ES), RMS_FWD_WIDE if wide else RMS_FWD,
         lambda: torch.ops.lck.rms_norm_fwd(x, w, 1e-6, 0.0, "llama"), check_fwd, 2 * m * n * ES, iters, rows_out,
     )  # fmt: skip
     _sweep(
-        "rms_norm_bwd", label, bwd_config(n, ES), RMS_BWD,
+        "rms_norm_bwd", label, bwd_config(n, ES), RMS_BWD_WIDE if wide else RMS_BWD,
         lambda: torch.ops.lck.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama"), check_bwd, 3 * m * n * ES, iters, rows_out,
     )  # fmt: skip
 
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--wide", action="store_true", help="RMSNorm rows wider than one block only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_rms_norm_swiglu: needs a CUDA GPU", file=sys.stderr)
@@ -200,13 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'kernel':<14}{'shape':<16}{'config':<58}{'ms':>8} {'GB/s':>7}")
     best: list = []
-    tune_rms_norm(best, args.iters)
-    tune_swiglu(best, args.iters)
+    tune_rms_norm(best, args.iters, args.wide)
+    if not args.wide:
+        tune_swiglu(best, args.iters)
     print("\nbest per (kernel, shape):")
     for kernel, label, params, ms, base in best:
         gain = f"{100 * (base - ms) / base:+.1f}% vs default" if base else "default failed"
         print(f"  {kernel:<14}{label:<16}{_fmt(params):<58}{ms:8.4f} ms  ({gain})")
-    end_to_end(args.iters)
+    if not args.wide:
+        end_to_end(args.iters)
     print(f"\ntotal {time.monotonic() - t0:.0f} s")
     return 0
 
