@@ -1,7 +1,7 @@
 """Triton kernels of ``rms_norm``, their launch configuration and their launches.
 
 The forward normalises a block of rows per program; rows wider than one block (``hidden > MAX_BLOCK``) are
-tiled, with two passes over the row (the second from L2). The backward makes one pass over ``x`` and ``dy``:
+tiled (``TILE_BLOCK`` columns at a time), with two passes over the row (the second from L2). The backward makes one pass over ``x`` and ``dy``:
 a persistent grid of about ``k × SMs`` programs each walks a contiguous range of rows and keeps its partial
 ``dweight`` in fp32 registers; one small reduction over programs follows. Tiled rows split it into a row-dot
 kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
@@ -19,6 +19,12 @@ from lck_kernels._common import cdiv, launcher, num_sms, row_block, tuned, warps
 
 # Widest row one program holds in registers; wider rows are tiled.
 MAX_BLOCK = 16384
+# Tile of a tiled row, and its warps. Measured on an H200 (2026-12-01, bf16, kernels alone, commit ee4201e,
+# `tune_rms_norm_swiglu.py --wide`): 4096-wide tiles with 16 warps against the 16384-wide ones before, whose
+# last tile of a 20480 row was three quarters padding: forward 0.095 / 0.086 / 0.079 ms against 0.123 /
+# 0.122 / 0.079 at 4096x20480 / 4096x18432 / 2048x28672; backward (16 warps, 2 programs per SM) 0.232 /
+# 0.215 / 0.179 against 0.261 / 0.245 / 0.192, within 3% of the best candidate at each shape.
+TILE_BLOCK, TILE_WARPS = 4096, 16
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,7 +215,9 @@ def fwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     Small rows are packed several to a program so each program still moves ~8 KiB per tensor.
     """
     block = row_block(n_cols, MAX_BLOCK)
-    rows = max(1, min(16, 4096 // block)) if block >= n_cols else 1
+    if block < n_cols:
+        return tuned("rms_norm_fwd", {"BLOCK_N": TILE_BLOCK, "ROWS": 1, "num_warps": TILE_WARPS})
+    rows = max(1, min(16, 4096 // block))
     return tuned(
         "rms_norm_fwd", {"BLOCK_N": block, "ROWS": rows, "num_warps": warps_for(rows * block, element_size)}
     )
@@ -223,8 +231,9 @@ def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     2 rows × 16 warps, one program per SM, 0.120 ms against 0.152 ms without look-ahead (2 rows × 8 warps
     × 2 per SM); at 16384×1024, 2 rows × 4 warps × 8 per SM, 0.045 ms against 0.059 ms; at 16384×8192,
     1 row × 8 warps × 2 per SM, 0.234 ms against 0.270 ms. Packing 4 rows of 4096 or 8 rows spilled
-    registers (2.3–2.6 ms). Wider rows and float32 keep the earlier setting (no look-ahead: its doubled
-    input registers would not fit beside the fp32 ``dweight`` partials).
+    registers (2.3–2.6 ms). Other whole rows and float32 keep the earlier setting (no look-ahead: its doubled
+    input registers would not fit beside the fp32 ``dweight`` partials); tiled rows take ``TILE_BLOCK``-wide
+    tiles (measured above ``TILE_BLOCK``).
     """
     block = row_block(n_cols, MAX_BLOCK)
     whole = block >= n_cols
@@ -237,8 +246,11 @@ def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
         rows = max(1, min(16, 2048 // block))
         warps = min(32, 2 * warps_for(block, element_size, lo=2))
         cfg = {"ROWS": rows, "num_warps": warps, "PROGRAMS_PER_SM": 8, "PREFETCH": 1}
+    elif not whole:
+        block = TILE_BLOCK
+        cfg = {"ROWS": 1, "num_warps": TILE_WARPS, "PROGRAMS_PER_SM": 2, "PREFETCH": 0}
     else:
-        rows = max(1, min(16, (8192 if block >= 4096 else 2048) // block)) if whole else 1
+        rows = max(1, min(16, (8192 if block >= 4096 else 2048) // block))
         warps = min(32, 2 * warps_for(block, element_size, lo=2))
         cfg = {"ROWS": rows, "num_warps": warps, "PROGRAMS_PER_SM": 2, "PREFETCH": 0}
     return tuned("rms_norm_bwd", {"BLOCK_N": block, **cfg})
