@@ -194,6 +194,26 @@ def _disagreements(rank: int, world: int) -> dict:
     mixed = g01_2[0] if rank == 0 else g0_12[1]
     out["membership"] = _err(L.configure, process_groups={"x": mixed})
     out["one rank bad"] = _err(L.configure, process_groups={"x": "tp" if rank == 2 else dist.group.WORLD})
+    # What a CPU rank cannot show for itself: a mixed job (another GPU model on rank 1) and NVSHMEM settings
+    # that differ (a heap size set on rank 2 only), as the ranks would report them.
+    import importlib
+
+    C = importlib.import_module("lck_runtime.configure")  # the module (the package exports the function)
+    real = C.local_request
+
+    def reported(gpu: Any, settings: Any) -> Any:
+        def local_request(*args: Any) -> Any:
+            req, plan, facts = real(*args)
+            return req, {**plan, "GPU (name, arch, SMs)": gpu, "NVSHMEM settings": settings}, facts
+
+        return local_request
+
+    h200, h100 = ("NVIDIA H200", "sm_90", 132), ("NVIDIA H100 80GB HBM3", "sm_90", 132)
+    C.local_request = reported(h100 if rank == 1 else h200, None)
+    out["hardware"] = _err(L.configure, flsce=F(8, 8, 8))
+    C.local_request = reported(h200, {"NVSHMEM_SYMMETRIC_SIZE": "8G" if rank == 2 else None})
+    out["nvshmem settings"] = _err(L.configure, flsce=F(8, 8, 8))
+    C.local_request = real
     out["recovers"] = L.configure(flsce=F(8, 8, 8))
     return out
 
@@ -206,12 +226,16 @@ def test_disagreements_raise_the_same_error_everywhere() -> None:
         "uneven": "ValueError: configure: process_groups['x']: groups must all have one size, got sizes [1, 2]",
         "membership": "ValueError: configure: process_groups['x']: rank 0 reports the group (0, 1) but its member rank 1 reports (1, 2)",
         "one rank bad": "TypeError: configure: process_groups['x'] must be a torch.distributed.ProcessGroup, got str (on bootstrap rank [2])",
+        "hardware": "ValueError: configure: ranks disagree on GPU (name, arch, SMs):",
+        "nvshmem settings": "ValueError: configure: ranks disagree on NVSHMEM settings:",
     }
     for key, prefix in expect.items():
         texts = {o[key] for o in outs}
         assert len(texts) == 1, (key, texts)
         assert texts.pop().startswith(prefix), key
     assert "'max_tokens': 16" in outs[0]["capacity"] and "on ranks [1]" in outs[0]["capacity"]
+    assert "H100" in outs[0]["hardware"] and "on ranks [1]" in outs[0]["hardware"]
+    assert "8G" in outs[0]["nvshmem settings"] and "on ranks [2]" in outs[0]["nvshmem settings"]
     assert all(o["recovers"] is False for o in outs)
 
 
