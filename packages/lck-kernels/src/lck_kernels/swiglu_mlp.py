@@ -1,4 +1,4 @@
-"""``LckSwiGLUMLP``: the Llama-style gated MLP over lck's SwiGLU, with separate or fused gate-up projections."""
+"""``LckSwiGLUMLP``: the Llama-style gated MLP over lck's SwiGLU, separate or fused gate-up projections."""
 
 from __future__ import annotations
 

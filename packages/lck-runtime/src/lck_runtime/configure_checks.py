@@ -419,8 +419,8 @@ def check_heap(st: RuntimeState, planned: list[tuple[str, int]], heap_bytes: int
     raise ValueError(
         f"configure: the symmetric reservations do not fit NVSHMEM's heap of {heap_bytes / mib:.0f} MiB "
         f"({when}): this call needs {need / mib:.1f} MiB ({items}) on top of {used / mib:.1f} MiB already "
-        f"reserved, plus {nv.HEAP_SLACK / mib:.0f} MiB for NVSHMEM's own state and {nv.ALLOC_MARGIN / mib:.0f} "
-        f"MiB per reservation; a heap of at least {total / mib:.0f} MiB is needed. Reserve the largest "
+        f"reserved, plus {nv.HEAP_SLACK / mib:.0f} MiB for NVSHMEM's own state and "
+        f"{nv.ALLOC_MARGIN / mib:.0f} MiB per reservation; a heap of at least {total / mib:.0f} MiB is needed. Reserve the largest "
         "sections in the first configure, or set NVSHMEM_SYMMETRIC_SIZE on every rank before it (nothing "
         "was changed)"
     )
