@@ -190,9 +190,10 @@ def test_kernel_refuses_what_it_cannot_hold(monkeypatch) -> None:
 
 
 def _layout_on_each_gpu(rank: int, world: int) -> list[str]:
-    """Each rank runs the kernel on its own GPU (cuda:rank: the cubin loads on a device other than 0) over
-    routings of its own and compares with the torch layout; the per-rank counts are then gathered, so the
-    tokens every rank expects from the others add up to what the senders' masks say they send."""
+    """Each rank runs the kernel on its GPU over routings of its own and compares with the torch layout;
+    the per-rank counts are then gathered, so the tokens every rank expects from the others add up to what
+    the senders' masks say they send. Over NCCL rank r owns cuda:r (the cubin loads on a device other than
+    0); over gloo every rank shares the current GPU and the counts are gathered through the host."""
     import torch.distributed as dist
 
     from lck_ep.jit import layout_kernel
@@ -212,6 +213,8 @@ def _layout_on_each_gpu(rank: int, world: int) -> list[str]:
             errors.append(
                 f"rank {rank} {kind}: tokens per rank {sent.tolist()} != mask sums {from_mask.tolist()}"
             )
+        if dist.get_backend() == "gloo":
+            sent = sent.cpu()
         table = [torch.empty_like(sent) for _ in range(world)]
         dist.all_gather(table, sent)
         mine = torch.stack(table)[:, rank].sum()  # what this rank receives from every sender
@@ -233,4 +236,16 @@ def test_kernel_equals_torch_layout_on_two_gpus(monkeypatch) -> None:
 
     _env_clean(monkeypatch)
     outs = run_workers(_layout_on_each_gpu, 2, backend="nccl", timeout=600)
+    assert outs == [[], []], outs
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_kernel_layout_two_processes_share_one_gpu(monkeypatch) -> None:
+    """The two-GPU test's worker with both ranks on one GPU (gloo between them): two processes JIT-load and
+    launch the kernel side by side and their counts agree across ranks; runs where one GPU is lent."""
+    from lck_runtime.testing import run_workers
+
+    _env_clean(monkeypatch)
+    outs = run_workers(_layout_on_each_gpu, 2, backend="gloo", timeout=600)
     assert outs == [[], []], outs
