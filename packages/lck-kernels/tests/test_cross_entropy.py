@@ -16,19 +16,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _device import DEVICE, gpu, needs_triton_device
 from _tolerances import TOL, assert_close, poison
 
 from lck_kernels._common import interpreting, num_sms, tuning
 from lck_kernels._cross_entropy_kernels import ce_launch_config
 from lck_kernels.cross_entropy import LckCrossEntropyLoss, cross_entropy
 
-DEVICE = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.skipif(
-    not interpreting() and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors",
-)
-gpu = pytest.mark.gpu
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+pytestmark = needs_triton_device
 
 
 @pytest.fixture

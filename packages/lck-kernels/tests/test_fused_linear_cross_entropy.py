@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _device import DEVICE, gpu, needs_triton_device
 from _tolerances import assert_close, poison
 from test_cross_entropy import assert_close_on_device, reduction_scales, reference_rows
 
@@ -16,12 +17,7 @@ from lck_kernels._common import interpreting, tuning
 from lck_kernels._linear_cross_entropy import CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, plan_chunk_tokens
 from lck_kernels.fused_linear_cross_entropy import LckFusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 
-DEVICE = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.skipif(
-    not interpreting() and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors",
-)
-gpu = pytest.mark.gpu
+pytestmark = needs_triton_device
 
 
 @pytest.fixture

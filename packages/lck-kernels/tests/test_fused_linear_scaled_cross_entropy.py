@@ -25,6 +25,7 @@ import math
 
 import pytest
 import torch
+from _device import DEVICE, gpu, needs_triton_device
 from _tolerances import TOL, assert_close, poison
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_cross_entropy import make_inputs, reference_linear
@@ -36,12 +37,7 @@ from lck_kernels.fused_linear_scaled_cross_entropy import (
     fused_linear_scaled_cross_entropy,
 )
 
-DEVICE = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.skipif(
-    not interpreting() and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors",
-)
-gpu = pytest.mark.gpu
+pytestmark = needs_triton_device
 
 
 @pytest.fixture

@@ -11,19 +11,14 @@ import zlib
 
 import pytest
 import torch
+from _device import DEVICE, DTYPES, gpu, needs_triton_device
 from _tolerances import assert_close, poison
 
 from lck_kernels import LckRMSNorm, rms_norm
 from lck_kernels._common import interpreting, tuning
 from lck_kernels.rms_norm import MAX_BLOCK, bwd_config, fwd_config
 
-DEVICE = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.skipif(
-    not interpreting() and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors",
-)
-gpu = pytest.mark.gpu
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+pytestmark = needs_triton_device
 MODES = ["llama", "gemma", "none"]
 
 

@@ -8,18 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _device import DEVICE, DTYPES, gpu, needs_triton_device
 from _tolerances import assert_close
 
 from lck_kernels import LckSwiGLUMLP, LckSwiGLUPacked, swiglu_packed
-from lck_kernels._common import interpreting
 
-DEVICE = "cpu" if interpreting() else "cuda"
-pytestmark = pytest.mark.skipif(
-    not interpreting() and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors",
-)
-gpu = pytest.mark.gpu
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+pytestmark = needs_triton_device
 SIZES = [(9, 32, 80), pytest.param(4096, 4096, 14336, marks=gpu, id="gpu")]
 
 
