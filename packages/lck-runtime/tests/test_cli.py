@@ -43,11 +43,12 @@ def test_doctor_text_mentions_nvshmem_and_cache() -> None:
 
 def test_doctor_summarizes_each_jit_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from lck_runtime.jit.cache import summarize
+    from lck_runtime.jit.host import ENTRY_NAME
 
     root = tmp_path / "lck"
     monkeypatch.setenv("LCK_JIT_CACHE_DIR", str(root))
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "ep"))
-    assert summarize(root) == {"path": str(root), "exists": False}
+    assert summarize(root, ENTRY_NAME) == {"path": str(root), "exists": False}
     root.mkdir(mode=0o700)
     for name, payload in (("_host-0123456789abcdef", 1000), ("scale-fedcba9876543210", 24)):
         (root / name).mkdir()
@@ -55,7 +56,7 @@ def test_doctor_summarizes_each_jit_cache(monkeypatch: pytest.MonkeyPatch, tmp_p
         (root / name / "payload").write_bytes(b"x" * payload)
     (root / "torn-0000000000000000").mkdir()  # no meta.json: not a published entry
     (root / ".tmp").mkdir()
-    got = summarize(root)
+    got = summarize(root, ENTRY_NAME)
     assert got == {
         "path": str(root),
         "exists": True,

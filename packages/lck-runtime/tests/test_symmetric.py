@@ -136,9 +136,15 @@ def _heap(rank: int, world: int) -> dict:
 
     nv.NvshmemOwner.init = classmethod(init)
     C = importlib.import_module("lck_runtime.configure")  # the module (the package exports the function)
-    planned: list = []
+    planned: list = []  # (label, bytes) of each call's plan
     plan_of = C.planned_reservations
-    C.planned_reservations = lambda *a: planned.append(plan_of(*a)) or planned[-1]
+
+    def record_plan(*a: Any) -> Any:
+        specs = plan_of(*a)
+        planned.append([(r.label, r.nbytes) for r in specs])
+        return specs
+
+    C.planned_reservations = record_plan
 
     def err(fn: Any, **kw: Any) -> str:
         try:

@@ -3,8 +3,8 @@
 The forward normalises a block of rows per program; rows wider than one block (``hidden > MAX_BLOCK``) are
 tiled (``TILE_BLOCK`` columns at a time), with two passes over the row (the second from L2). The backward
 makes one pass over ``x`` and ``dy``: a persistent grid of about ``k × SMs`` programs each walks a contiguous
-range of rows and keeps its partial ``dweight`` in fp32 registers; one small reduction over programs follows. Tiled rows split it into a row-dot
-kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
+range of rows and keeps its partial ``dweight`` in fp32 registers; one small reduction over programs
+follows. Tiled rows split it into a row-dot kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
 ``rms_norm.CASTING_MODES`` (0 llama, 1 gemma, 2 none). Nothing here validates input: the ops in
 ``rms_norm`` do that before launching.
 """

@@ -36,8 +36,9 @@ from lck_runtime.configure_checks import (
     Request,
     Setup,
     check_heap,
+    flsce_tag,
     local_request,
-    one_host_per_group,
+    moe_tag,
     plan_setup,
     planned_reservations,
     resolve_device,
@@ -45,7 +46,6 @@ from lck_runtime.configure_checks import (
 from lck_runtime.contexts import FlsceContext, MoEContext
 from lck_runtime.groups import GroupEntry, membership
 from lck_runtime.state import STATE, RuntimeState
-from lck_runtime.symmetric import SIGNAL_WORDS_PER_PEER, moe_workspace_bytes
 
 __all__ = ["configure", "domain_of", "is_native", "resolve_device"]
 
@@ -159,7 +159,7 @@ def configure(
     setup = plan_setup(st, domain, req, gathered)
     planned = planned_reservations(st, req, setup)
     # What lck asks NVSHMEM for on the first call, unless the user set (and every rank agreed on) a size.
-    default_heap = nv.heap_for(sum(b for _, b in planned), len(planned))
+    default_heap = nv.heap_for(sum(r.nbytes for r in planned), len(planned))
     if req.native:
         user = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
         first = default_heap if user is None else nv.parse_size(user)
@@ -186,26 +186,25 @@ def configure(
             )
         else:
             st.registry.alias(req.names[name], req.ranks[name])
-    allocated = False
+    # The reservations come from the plan the heap was checked against: sizes are computed there only.
+    plan = {r.label: r for r in planned}
+    allocated = bool(planned)
     if req.flsce is not None and setup.flsce_partition is not None:
         part = setup.flsce_partition
         team = st.teams.ensure(part, domain.ranks, domain.local_rank, nvs)
         if setup.new_flsce:
             if st.flsce_reserved is None:
                 st.flsce_reserved = req.flsce
-            allocated |= st.pool.scratch is None
             scratch = st.pool.ensure_scratch(st.flsce_reserved.capacity, nvs)
             p2p_buffers = None
-            if nvs is not None and part.size > 1 and one_host_per_group(setup, part):
-                tag = f"flsce[{part.size}x{part.stride}]"
-                slot = p2p.slot_floats(part.size, st.flsce_reserved.capacity)
+            tag = flsce_tag(part)
+            if f"{tag}.p2p" in plan:
                 p2p_buffers = (
-                    st.pool.reserve(f"{tag}.p2p", p2p.recv_numel(part.size, slot), "float32", nvs),
-                    st.pool.reserve(f"{tag}.p2p_flags", p2p.flags_numel(part.size), "int64", nvs),
-                    st.pool.reserve(f"{tag}.p2p_ll", p2p.ll_numel(part.size), "int64", nvs),
-                    slot,
+                    st.pool.allocate(plan[f"{tag}.p2p"], nvs),
+                    st.pool.allocate(plan[f"{tag}.p2p_flags"], nvs),
+                    st.pool.allocate(plan[f"{tag}.p2p_ll"], nvs),
+                    p2p.slot_floats(part.size, st.flsce_reserved.capacity),
                 )
-                allocated = True
             st.flsce[part.key] = FlsceContext(
                 scratch=scratch,
                 p2p_buffers=p2p_buffers,
@@ -222,12 +221,9 @@ def configure(
         if setup.new_moe:
             if st.moe_reserved is None:
                 st.moe_reserved = req.moe
-            tag = f"moe[{part.size}x{part.stride}]"
-            workspace = st.pool.reserve(
-                f"{tag}.workspace", moe_workspace_bytes(req.moe, part.size), "uint8", nvs
-            )
-            signals = st.pool.reserve(f"{tag}.signals", SIGNAL_WORDS_PER_PEER * part.size, "int64", nvs)
-            allocated = True
+            tag = moe_tag(part)
+            workspace = st.pool.allocate(plan[f"{tag}.workspace"], nvs)
+            signals = st.pool.allocate(plan[f"{tag}.signals"], nvs)
             st.moe[part.key] = MoEContext(
                 gpus_per_host=setup.moe_gpus_per_host,
                 workspace=workspace,

@@ -21,13 +21,21 @@ from lck_runtime.agreement import Domain
 from lck_runtime.config import FusedLinearCrossEntropyConfig, MoEConfig
 from lck_runtime.groups import Partition, check_partition, membership
 from lck_runtime.state import RuntimeState
-from lck_runtime.symmetric import SIGNAL_WORDS_PER_PEER, moe_workspace_bytes, scratch_numel
+from lck_runtime.symmetric import (
+    SCRATCH_LABEL,
+    SIGNAL_WORDS_PER_PEER,
+    Reservation,
+    moe_workspace_bytes,
+    scratch_numel,
+)
 
 __all__ = [
     "Request",
     "Setup",
     "check_heap",
+    "flsce_tag",
     "local_request",
+    "moe_tag",
     "one_host_per_group",
     "plan_setup",
     "planned_reservations",
@@ -367,50 +375,59 @@ def one_host_per_group(setup: Setup, part: Partition) -> bool:
     return all(len({setup.hosts[r] for r in g}) == 1 for g in part.groups)
 
 
-def planned_reservations(st: RuntimeState, req: Request, setup: Setup) -> list[tuple[str, int]]:
-    """(label, bytes) of the symmetric reservations this configure call makes, in the order it makes them.
+def planned_reservations(st: RuntimeState, req: Request, setup: Setup) -> list[Reservation]:
+    """The symmetric reservations this configure call makes, in the order it makes them (not yet allocated).
 
-    A pure function of agreed data, so it is the same list on every rank; ``configure`` reserves exactly
-    these (a test compares the two)."""
-    out: list[tuple[str, int]] = []
+    A pure function of agreed data, so it is the same list on every rank; ``configure`` checks it against
+    the heap and then allocates exactly these entries, so the sizes are computed here only."""
+    out: list[Reservation] = []
     if req.flsce is not None and setup.flsce_partition is not None and setup.new_flsce:
         part = setup.flsce_partition
         capacity = (st.flsce_reserved or req.flsce).capacity
         if st.pool.scratch is None:
-            out.append(("flsce.scratch", scratch_numel(capacity) * 4))
+            out.append(Reservation(SCRATCH_LABEL, scratch_numel(capacity), "float32"))
         if req.native and part.size > 1 and one_host_per_group(setup, part):
-            tag, slot = f"flsce[{part.size}x{part.stride}]", p2p.slot_floats(part.size, capacity)
+            tag, slot = flsce_tag(part), p2p.slot_floats(part.size, capacity)
             out += [
-                (f"{tag}.p2p", p2p.recv_numel(part.size, slot) * 4),
-                (f"{tag}.p2p_flags", p2p.flags_numel(part.size) * 8),
-                (f"{tag}.p2p_ll", p2p.ll_numel(part.size) * 8),
+                Reservation(f"{tag}.p2p", p2p.recv_numel(part.size, slot), "float32"),
+                Reservation(f"{tag}.p2p_flags", p2p.flags_numel(part.size), "int64"),
+                Reservation(f"{tag}.p2p_ll", p2p.ll_numel(part.size), "int64"),
             ]
     if req.moe is not None and setup.moe_partition is not None and setup.new_moe:
         part = setup.moe_partition
-        tag = f"moe[{part.size}x{part.stride}]"
+        tag = moe_tag(part)
         out += [
-            (f"{tag}.workspace", moe_workspace_bytes(req.moe, part.size)),
-            (f"{tag}.signals", SIGNAL_WORDS_PER_PEER * part.size * 8),
+            Reservation(f"{tag}.workspace", moe_workspace_bytes(req.moe, part.size), "uint8"),
+            Reservation(f"{tag}.signals", SIGNAL_WORDS_PER_PEER * part.size, "int64"),
         ]
     return out
 
 
-def check_heap(st: RuntimeState, planned: list[tuple[str, int]], heap_bytes: int | None) -> None:
+def flsce_tag(part: Partition) -> str:
+    """Label prefix of an FLSCE partition's reservations."""
+    return f"flsce[{part.size}x{part.stride}]"
+
+
+def moe_tag(part: Partition) -> str:
+    """Label prefix of an MoE partition's reservations."""
+    return f"moe[{part.size}x{part.stride}]"
+
+
+def check_heap(st: RuntimeState, planned: list[Reservation], heap_bytes: int | None) -> None:
     """Refuse, before anything changes, reservations that would not fit NVSHMEM's symmetric heap.
 
     NVSHMEM fixes its heap at init (the first configure), so later sections must fit what is left. A pure
     function of agreed data (the heap size is an agreed NVSHMEM setting, the pool's plan part of the agreed
     runtime state): every rank raises the same error. ``heap_bytes`` None: unknown, nothing to check."""
-    need = sum(b for _, b in planned)
+    need = sum(r.nbytes for r in planned)
     if heap_bytes is None or not need:
         return
     used = st.pool.nbytes
-    count = len(st.pool.reservations) + len(planned)
-    total = used + need + count * nv.ALLOC_MARGIN + nv.HEAP_SLACK
+    total = nv.heap_needed(used + need, len(st.pool.reservations) + len(planned))
     if total <= heap_bytes:
         return
     mib = 1 << 20
-    items = ", ".join(f"{label} {b / mib:.1f} MiB" for label, b in planned)
+    items = ", ".join(f"{r.label} {r.nbytes / mib:.1f} MiB" for r in planned)
     when = (
         "NVSHMEM_SYMMETRIC_SIZE is set"
         if not st.configured
@@ -420,7 +437,7 @@ def check_heap(st: RuntimeState, planned: list[tuple[str, int]], heap_bytes: int
         f"configure: the symmetric reservations do not fit NVSHMEM's heap of {heap_bytes / mib:.0f} MiB "
         f"({when}): this call needs {need / mib:.1f} MiB ({items}) on top of {used / mib:.1f} MiB already "
         f"reserved, plus {nv.HEAP_SLACK / mib:.0f} MiB for NVSHMEM's own state and "
-        f"{nv.ALLOC_MARGIN / mib:.0f} MiB per reservation; a heap of at least {total / mib:.0f} MiB is needed. Reserve the largest "
-        "sections in the first configure, or set NVSHMEM_SYMMETRIC_SIZE on every rank before it (nothing "
-        "was changed)"
+        f"{nv.ALLOC_MARGIN / mib:.0f} MiB per reservation; a heap of at least {total / mib:.0f} MiB is "
+        "needed. Reserve the largest sections in the first configure, or set NVSHMEM_SYMMETRIC_SIZE on "
+        "every rank before it (nothing was changed)"
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lck_runtime.jit.cache import summarize
+from lck_runtime.jit.host import ENTRY_NAME as HOST_ENTRY
 from lck_runtime.nvshmem import NATIVE_ARCHS
 from lck_runtime.nvshmem import status as nvshmem_status
 from lck_runtime.paths import jit_cache_dir
@@ -102,7 +103,10 @@ def collect() -> dict[str, Any]:
         "layers": {name: _layer(name) for name in LAYERS},
         "jit_cache_dir": str(jit_cache_dir("LCK")),
         "ep_jit_cache_dir": str(jit_cache_dir("EP")),
-        "jit_cache": {"lck": summarize(jit_cache_dir("LCK")), "lck-ep": summarize(jit_cache_dir("EP"))},
+        "jit_cache": {
+            "lck": summarize(jit_cache_dir("LCK"), HOST_ENTRY),
+            "lck-ep": summarize(jit_cache_dir("EP"), HOST_ENTRY),
+        },
     }
     if torch.cuda.is_available():
         report["driver"] = _driver_version()

@@ -25,6 +25,7 @@ __all__ = [
     "env_defaults",
     "foreign_init_status",
     "heap_for",
+    "heap_needed",
     "mps_servers",
     "native_support",
     "owner",
@@ -47,9 +48,8 @@ AGREED_ENV = (
 STATUS_LIMITED_MPG = 3
 _MIN_HEAP = 1 << 30  # NVSHMEM's own default heap
 HEAP_SLACK = 256 << 20  # room for NVSHMEM's internal symmetric state (team psyncs, signals)
-ALLOC_MARGIN = (
-    1 << 20
-)  # per reservation, for the allocator's alignment and bookkeeping (a bound, not measured)
+# Per reservation, for the allocator's alignment and bookkeeping (a bound, not measured).
+ALLOC_MARGIN = 1 << 20
 _SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 _owner: NvshmemOwner | None = None
@@ -136,10 +136,16 @@ def mps_servers(attempts: int = 8) -> list[str] | None:
     return [] if answered else None
 
 
+def heap_needed(reserved_bytes: int, reservations: int) -> int:
+    """The symmetric heap that ``reserved_bytes`` in ``reservations`` allocations need: those, a margin per
+    allocation and NVSHMEM's own state."""
+    return reserved_bytes + reservations * ALLOC_MARGIN + HEAP_SLACK
+
+
 def heap_for(reserved_bytes: int, reservations: int) -> int:
     """The symmetric heap lck asks for when the first configure reserves ``reserved_bytes`` in
-    ``reservations`` allocations: those, a margin per allocation and NVSHMEM's own state, at least 1 GiB."""
-    return max(_MIN_HEAP, reserved_bytes + reservations * ALLOC_MARGIN + HEAP_SLACK)
+    ``reservations`` allocations: what they need (:func:`heap_needed`), at least NVSHMEM's default 1 GiB."""
+    return max(_MIN_HEAP, heap_needed(reserved_bytes, reservations))
 
 
 def parse_size(text: str | None) -> int | None:

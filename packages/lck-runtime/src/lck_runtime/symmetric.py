@@ -35,6 +35,7 @@ __all__ = [
 # Scratch length is a multiple of 128 fp32 so that its two halves (source and destination of a team
 # reduction) both start 256-byte aligned, which NVSHMEM's vectorised reduction paths need.
 SCRATCH_ALIGN = 128
+SCRATCH_LABEL = "flsce.scratch"  # the one FLSCE scratch, shared by every FLSCE context
 # int64 signal words per member of a MoE group: per-peer counters for dispatch/combine barriers.
 SIGNAL_WORDS_PER_PEER = 32
 _DTYPE_BYTES = {"float32": 4, "int64": 8, "uint8": 1}
@@ -103,8 +104,12 @@ class SymmetricPool:
                     "growth must be rejected before reserving"
                 )
             return self.scratch
-        self.scratch = self.reserve("flsce.scratch", scratch_numel(capacity), "float32", nvshmem)
+        self.scratch = self.reserve(SCRATCH_LABEL, scratch_numel(capacity), "float32", nvshmem)
         return self.scratch
+
+    def allocate(self, spec: Reservation, nvshmem: Any | None) -> Reservation:
+        """Reserve a planned entry (``configure_checks.planned_reservations``): its label, size and dtype."""
+        return self.reserve(spec.label, spec.numel, spec.dtype, nvshmem)
 
     def release(self, res: Reservation, nvshmem: Any | None) -> None:
         """Collective on the NVSHMEM path: every rank releases the same reservation at the same point."""

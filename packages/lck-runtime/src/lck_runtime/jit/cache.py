@@ -288,9 +288,10 @@ def get_or_create(
     return Entry(path=final, meta=meta, payload=payload, from_cache=False)
 
 
-def summarize(root: Path, host_entry: str = "_host") -> dict[str, Any]:
+def summarize(root: Path, host_entry: str) -> dict[str, Any]:
     """What a cache root holds, for ``lck doctor``: whether it exists and is private (0700), its published
-    entries (a folder with a ``meta.json``) and their total size, and whether a host module is built there.
+    entries (a folder with a ``meta.json``) and their total size, and whether an entry named ``host_entry``
+    (the host module's, :data:`lck_runtime.jit.host.ENTRY_NAME`) is built there.
     Reads only; unreadable parts count as absent."""
     root = Path(root).expanduser()
     out: dict[str, Any] = {"path": str(root), "exists": root.is_dir()}
