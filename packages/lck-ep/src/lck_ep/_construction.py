@@ -15,7 +15,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_TOPK", "Settled", "check_args", "check_group", "kernel_layout_available", "resolve_device"]
+__all__ = [
+    "BACKENDS",
+    "MAX_TOPK",
+    "Settled",
+    "check_args",
+    "check_group",
+    "kernel_layout_available",
+    "resolve_device",
+]
+
+BACKENDS = ("auto", "nvshmem", "reference")
 
 MAX_TOPK = 64
 _WHERE = "Buffer"
@@ -28,6 +38,7 @@ class Settled(NamedTuple):
     moe_context: Any  # the runtime's MoEContext for the group, or None
     num_hosts: int
     gpus_per_host: int
+    backend: str  # "nvshmem" or "reference": what moves the rows
 
 
 def moe_context(group: dist.ProcessGroup) -> Any:
@@ -93,6 +104,9 @@ def check_args(
     num_experts: Any,
     sync_free: Any,
     layout: Any,
+    backend_choice: Any = "reference",
+    num_sms: Any = None,
+    timeout_s: Any = 5.0,
 ) -> Settled:
     """Validate the construction arguments (``TypeError``/``ValueError`` naming the argument)."""
     where = _WHERE
@@ -108,6 +122,16 @@ def check_args(
             raise ValueError(f"{where}: {name} must be >= 1, got {v}")
     if not isinstance(sync_free, bool):
         raise TypeError(f"{where}: sync_free must be a bool, got {type(sync_free).__name__}")
+    if backend_choice not in BACKENDS:
+        raise ValueError(
+            f"{where}: backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend_choice!r}"
+        )
+    if num_sms is not None and (
+        isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= 1024
+    ):
+        raise ValueError(f"{where}: num_sms must be None or an int in [1, 1024], got {num_sms!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+        raise ValueError(f"{where}: timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
     if num_topk > min(num_experts, MAX_TOPK):
         raise ValueError(
             f"{where}: num_topk must be at most min(num_experts, {MAX_TOPK}) = {min(num_experts, MAX_TOPK)}, got {num_topk}"
@@ -121,12 +145,21 @@ def check_args(
         raise ValueError(f"{where}: device must be cpu or cuda, got {device}")
     if "nccl" in backend and device.type != "cuda":
         raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={device}")
-    if backend == "gloo" and device.type != "cpu":
-        raise ValueError(f"{where}: a gloo group moves CPU tensors, got device={device}")
-    use_kernel = _choose_layout(layout, device, num_experts, num_ranks, num_topk)
     ctx = moe_context(group)
+    why_not = _native_problem(ctx, device, num_ranks, hidden, num_topk, max_tokens)
+    if backend_choice == "nvshmem" and why_not is not None:
+        raise ValueError(
+            f"{where}: backend='nvshmem' cannot run: {why_not}; use backend='reference' or 'auto'"
+        )
+    chosen = "nvshmem" if backend_choice != "reference" and why_not is None else "reference"
+    if backend == "gloo" and device.type != "cpu" and chosen != "nvshmem":
+        raise ValueError(
+            f"{where}: a gloo group moves CPU tensors, got device={device} (on the reference backend; "
+            "CUDA tensors over gloo need the native one: configure(moe=...) on an NVSHMEM runtime)"
+        )
+    use_kernel = _choose_layout(layout, device, num_experts, num_ranks, num_topk)
     if ctx is None:
-        return Settled(use_kernel, None, 1, num_ranks)
+        return Settled(use_kernel, None, 1, num_ranks, chosen)
     cfg = ctx.config
     for name, have, cap in (
         ("max_tokens_per_rank", max_tokens, cfg.max_tokens),
@@ -143,7 +176,38 @@ def check_args(
         )
     if ctx.size != num_ranks:
         raise ValueError(f"{where}: the MoE context has {ctx.size} ranks but group has {num_ranks}")
-    return Settled(use_kernel, ctx, int(ctx.num_hosts), int(ctx.gpus_per_host))
+    return Settled(use_kernel, ctx, int(ctx.num_hosts), int(ctx.gpus_per_host), chosen)
+
+
+def _native_problem(
+    ctx: Any, device: torch.device, num_ranks: int, hidden: int, num_topk: int, max_tokens: int
+) -> str | None:
+    """Why the native kernels cannot serve a Buffer of this group and shape, or None when they can."""
+    if ctx is None:
+        return (
+            "no MoE context is configured for this group (call lck_runtime.configure(process_groups=..., "
+            "moe=MoEConfig(..., group=...)) on every rank first)"
+        )
+    if not ctx.native:
+        return "the group's MoE context runs on the torch.distributed path (NVSHMEM is not available here)"
+    if device.type != "cuda":
+        return f"the native kernels move CUDA tensors, got device={device}"
+    if ctx.num_hosts > 1:
+        return (
+            f"the MoE context spans {ctx.num_hosts} hosts and the native kernels here are the scale-up "
+            "(one host) pair; the scale-out kernels are not built yet"
+        )
+    from lck_runtime.toolchain import find_nvcc
+
+    if find_nvcc() is None:
+        return "nvcc was not found, so the native kernels cannot be compiled (install the CUDA toolkit)"
+    if ctx.size != num_ranks:
+        return f"the MoE context has {ctx.size} ranks but group has {num_ranks}"
+    from lck_ep.native import native_problem
+
+    return native_problem(
+        hidden=hidden, num_topk=num_topk, num_ranks=num_ranks, max_tokens=max_tokens, config=ctx.config
+    )
 
 
 def _choose_layout(

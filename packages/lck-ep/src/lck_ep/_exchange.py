@@ -21,7 +21,16 @@ from lck_ep.layout import DispatchLayout
 if TYPE_CHECKING:
     from lck_ep.buffer import Buffer
 
-__all__ = ["combine", "dispatch_sync_free", "dispatch_synced", "replay_sync_free", "replay_synced"]
+__all__ = [
+    "Dispatched",
+    "combine",
+    "dispatch_sync_free",
+    "dispatch_synced",
+    "lay_out",
+    "maybe_expand",
+    "replay_sync_free",
+    "replay_synced",
+]
 
 # (recv_x, recv_topk_idx, recv_topk_weights, handle) of a fresh dispatch.
 Dispatched = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DispatchHandle]
@@ -49,7 +58,7 @@ def dispatch_synced(
     assert got.recv_topk_idx is not None and got.recv_src_idx is not None and got.recv_src_rank is not None
     n = sum(recv_counts)
     a = plan.expert_alignment
-    recv_x, fields = _lay_out(got, plan, buf.num_local_experts, sum((c + a - 1) // a * a for c in per_local))
+    recv_x, fields = lay_out(got, plan, buf.num_local_experts, sum((c + a - 1) // a * a for c in per_local))
     mode = dict(
         sync_free=False,
         num_worst_tokens=None,
@@ -80,7 +89,7 @@ def dispatch_sync_free(buf: Buffer, plan: DispatchPlan, layout: DispatchLayout) 
         topk_weights=plan.topk_weights,
     )
     assert got.recv_topk_idx is not None and got.per_expert is not None and got.num_recv_tokens is not None
-    recv_x, fields = _lay_out(
+    recv_x, fields = lay_out(
         got, plan, big_l, expanded_capacity(nwt, plan.num_topk, big_l, plan.expert_alignment)
     )
     mode = dict(
@@ -139,7 +148,7 @@ def replay_synced(topo: reference.Topology, h: DispatchHandle, x: torch.Tensor) 
         recv_counts=list(h.recv_counts),
         send_token_idx=h.send_token_idx,
     )
-    return _maybe_expand(got.recv_x, h)
+    return maybe_expand(got.recv_x, h)
 
 
 def replay_sync_free(
@@ -154,7 +163,7 @@ def replay_sync_free(
         send_slot=h.send_slot,
         recv_slot_pos=h.recv_slot_pos,
     )
-    return _maybe_expand(got.recv_x, h)
+    return maybe_expand(got.recv_x, h)
 
 
 def combine(topo: reference.Topology, plan: CombinePlan) -> torch.Tensor:
@@ -180,14 +189,14 @@ def combine(topo: reference.Topology, plan: CombinePlan) -> torch.Tensor:
     )
 
 
-def _maybe_expand(recv_x: torch.Tensor, h: DispatchHandle) -> torch.Tensor:
+def maybe_expand(recv_x: torch.Tensor, h: DispatchHandle) -> torch.Tensor:
     if not h.expand:
         return recv_x
     assert h.expanded_src_row is not None
     return gather_expanded(recv_x, h.expanded_src_row)
 
 
-def _lay_out(
+def lay_out(
     got: reference.Received, plan: DispatchPlan, num_local: int, rows: int
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``recv_x`` as the caller asked for it and the handle fields of the expanded layout (none if not).

@@ -49,6 +49,7 @@ BUFFER_FIELDS = (
     "num_experts",
     "sync_free",
     "device_type",
+    "native",
 )
 OPS = {1: "dispatch", 2: "combine", 3: "__init__"}
 _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
@@ -66,7 +67,7 @@ def _show(field: str, value: int) -> str:
         return _DTYPE_NAMES.get(value, "other")
     if field == "device_type":
         return {0: "cpu", 1: "cuda"}.get(value, "other")
-    if field in ("cached", "expand", "has_topk_weights", "sync_free"):
+    if field in ("cached", "expand", "has_topk_weights", "sync_free", "native"):
         return str(bool(value))
     return str(value)
 

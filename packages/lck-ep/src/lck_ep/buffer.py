@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lck_ep import _exchange, capture, reference
+from lck_ep import _exchange, _native_exchange, capture, reference
 from lck_ep._construction import check_args, check_group, resolve_device
 
 # Re-exported: lck_ep.benchmark imports it from this module.
@@ -55,6 +55,7 @@ from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispat
 from lck_ep.events import Event
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout, get_dispatch_layout
+from lck_ep.native import DEFAULT_NUM_SMS, NATIVE_DTYPES
 
 __all__ = ["Buffer", "CombineOutput", "DispatchOutput"]
 
@@ -99,6 +100,15 @@ class Buffer:
         sync_free: size every dispatch by capacity, with no host synchronisation (see module doc).
         layout: ``"auto"``, ``"kernel"`` (the JIT layout kernel, CUDA only) or ``"torch"``.
         device: where tensors live; default ``cuda:<current>`` for an NCCL group, else ``cpu``.
+        backend: ``"auto"`` (the native kernels when ``lck_runtime.configure(moe=...)`` prepared a native
+            context for ``group`` and they can be built here, else the reference), ``"nvshmem"`` (the
+            native kernels, or a ``ValueError`` saying why they cannot run) or ``"reference"``.
+            :attr:`backend` says which one runs. The native backend moves bf16/fp16 rows; it also takes a
+            gloo ``group`` with CUDA tensors (the agreement then runs through the host).
+        num_sms: blocks (channels) per native kernel; default ``min(24, SMs)``. A runtime argument: any
+            value reuses the same compiled kernels.
+        timeout_s: how long a native kernel waits for a peer before it gives up and the call raises
+            :class:`lck_ep.native.NativeTimeoutError` (naming the rank and the phase) instead of hanging.
 
     Validated (the same ``ValueError``/``TypeError`` on every rank): the group and its membership, the
     integer arguments and their relations, agreement of all of them across ranks, and, when the runtime
@@ -118,27 +128,43 @@ class Buffer:
         sync_free: bool = False,
         layout: str = "auto",
         device: torch.device | str | None = None,
+        backend: str = "auto",
+        num_sms: int | None = None,
+        timeout_s: float = 5.0,
     ) -> None:
-        rank, world, backend = check_group(group)
+        rank, world, pg_backend = check_group(group)
         self.group, self.rank, self.num_ranks = group, rank, world
-        home, self.device, error = resolve_device(device, backend)
+        home, self.device, error = resolve_device(device, pg_backend)
+        self._home = home  # where the agreements run: the host for a gloo group
         settled = None
+        self._native = None
         if error is None:
             try:
                 settled = check_args(
                     group,
                     world,
                     self.device,
-                    backend,
+                    pg_backend,
                     max_tokens_per_rank,
                     hidden,
                     num_topk,
                     num_experts,
                     sync_free,
                     layout,
+                    backend,
+                    num_sms,
+                    timeout_s,
                 )
+                if settled.backend == "nvshmem":
+                    from lck_ep.native import NativeEp
+
+                    self._native = NativeEp.for_context(settled.moe_context, self.device)
             except (TypeError, ValueError) as exc:
                 error = exc
+            except Exception as exc:  # e.g. the kernels failed to build here: every rank raises it
+                error = RuntimeError(
+                    f"Buffer: the native backend could not start: {type(exc).__name__}: {exc}"
+                )
         digest = None
         if error is None:
             digest = [
@@ -149,9 +175,18 @@ class Buffer:
                 num_experts,
                 int(sync_free),
                 int(self.device.type == "cuda"),
+                int(settled is not None and settled.backend == "nvshmem"),
             ]
         agree(group, home, error, BUFFER_FIELDS, digest, None, 0)
         assert settled is not None
+        self.backend = settled.backend
+        if self._native is not None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.num_sms = min(DEFAULT_NUM_SMS, sms) if num_sms is None else num_sms
+        else:
+            self.num_sms = num_sms or 0
+        self.timeout_s = float(timeout_s)
+        self.timeout_ns = int(self.timeout_s * 1e9)
         self.use_kernel_layout = settled.use_kernel_layout
         self.moe_context = settled.moe_context
         self.num_hosts, self.gpus_per_host = settled.num_hosts, settled.gpus_per_host
@@ -184,7 +219,8 @@ class Buffer:
         return (
             f"Buffer(rank={self.rank}/{self.num_ranks}, max_tokens_per_rank={self.max_tokens_per_rank}, "
             f"hidden={self.hidden}, num_topk={self.num_topk}, num_experts={self.num_experts}, "
-            f"sync_free={self.sync_free}, device={self.device}, layout={'kernel' if self.use_kernel_layout else 'torch'})"
+            f"sync_free={self.sync_free}, device={self.device}, layout={'kernel' if self.use_kernel_layout else 'torch'}, "
+            f"backend={self.backend!r})"
         )
 
     # ------------------------------------------------------------------ layout
@@ -268,6 +304,7 @@ class Buffer:
             plan = check_dispatch(
                 self, x, topk_idx, topk_weights, handle, expand, expert_alignment, num_worst_tokens
             )
+            self._check_native_dtype(plan.x, "dispatch")
         except (TypeError, ValueError) as exc:
             error = exc
         if plan is not None and plan.sync_free != sync_free:  # e.g. a synced handle on a sync-free Buffer
@@ -282,6 +319,19 @@ class Buffer:
             assert plan is not None
             return self._dispatch_sync_free(plan)
         return self._dispatch_synced(plan, error)
+
+    def _check_native_dtype(self, x: torch.Tensor, op: str) -> None:
+        if self._native is not None and x.dtype not in NATIVE_DTYPES:
+            raise TypeError(
+                f"{op}: x is {str(x.dtype).replace('torch.', '')} but the native backend moves bf16/fp16 rows "
+                "(its workspace holds 2-byte elements); build the Buffer with backend='reference' for float32"
+            )
+
+    def check_errors(self) -> None:
+        """Synchronise and raise :class:`lck_ep.native.NativeTimeoutError` if a native wait of this
+        Buffer's context gave up (a peer stopped calling); no-op on the reference backend."""
+        if self._native is not None:
+            self._native.check()
 
     def _agree_in_capture(
         self, op: str, plan: DispatchPlan | CombinePlan | None, error: BaseException | None, sync_free: bool
@@ -316,10 +366,13 @@ class Buffer:
                     ]
                 )
         digest = plan.digest() if plan is not None else None
-        table = agree(self.group, self.device, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
+        table = agree(self.group, self._home, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
         assert plan is not None
         if plan.handle is not None:
-            recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
+            if self._native is not None:
+                recv_x = _native_exchange.replay(self, plan.handle, plan.x)
+            else:
+                recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
             return DispatchOutput(recv_x, None, None, plan.handle, Event(self.device))
         assert layout is not None
         bad_ranks = [s for s in range(w) if int(table[s, 0])]
@@ -333,16 +386,25 @@ class Buffer:
         send_counts = [int(v) for v in per_rank[r].tolist()]
         recv_counts = [int(v) for v in per_rank[:, r].tolist()]
         per_local = [int(v) for v in per_expert[:, r * big_l : (r + 1) * big_l].sum(0).tolist()]
-        got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
+        if self._native is not None:
+            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local))
+        else:
+            got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
         return DispatchOutput(*got, Event(self.device))
 
     def _dispatch_sync_free(self, plan: DispatchPlan) -> DispatchOutput:
         h = plan.handle
         if h is not None:
-            recv_x = _exchange.replay_sync_free(self._topo, h, plan.x, plan.num_worst_tokens)
+            if self._native is not None:
+                recv_x = _native_exchange.replay(self, h, plan.x)
+            else:
+                recv_x = _exchange.replay_sync_free(self._topo, h, plan.x, plan.num_worst_tokens)
             return DispatchOutput(recv_x, None, None, h, Event(self.device))
         assert plan.topk_idx is not None
-        got = _exchange.dispatch_sync_free(self, plan, self._layout(plan.topk_idx))
+        if self._native is not None:
+            got = _native_exchange.dispatch(self, plan, self._layout(plan.topk_idx), None)
+        else:
+            got = _exchange.dispatch_sync_free(self, plan, self._layout(plan.topk_idx))
         return DispatchOutput(*got, Event(self.device))
 
     def _next_seq(self) -> int:
@@ -378,6 +440,7 @@ class Buffer:
         error: BaseException | None = None
         try:
             plan = check_combine(self, x, handle, topk_weights, bias)
+            self._check_native_dtype(plan.x, "combine")
         except (TypeError, ValueError) as exc:
             error = exc
         if capture.capturing(self.device):
@@ -389,7 +452,7 @@ class Buffer:
             digest = plan.digest() if plan is not None else None
             agree(
                 self.group,
-                self.device,
+                self._home,
                 error,
                 DIGEST_FIELDS,
                 digest,
@@ -397,4 +460,6 @@ class Buffer:
                 1 + self.num_ranks + self.num_experts,
             )
         assert plan is not None
+        if self._native is not None:
+            return CombineOutput(_native_exchange.combine(self, plan), Event(self.device))
         return CombineOutput(_exchange.combine(self._topo, plan), Event(self.device))

@@ -21,9 +21,13 @@ __all__ = [
     "CSRC_DIR",
     "LAYOUT_BLOCK_THREADS",
     "LAYOUT_KERNEL",
+    "NATIVE_KERNELS",
+    "NATIVE_THREADS",
     "KernelSpec",
     "layout_source",
     "layout_spec",
+    "native_source",
+    "native_spec",
 ]
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -88,4 +92,108 @@ def layout_spec(knobs: EpKnobs) -> KernelSpec:
         defines=knobs.defines(),
         headers=tuple(CSRC_DIR / h for h in _LAYOUT_HEADERS),
         include_dirs=(CSRC_DIR,),
+    )
+
+
+# The native scale-up kernels (csrc/dispatch.cuh, csrc/combine.cuh): one translation unit each, so a
+# kernel's cache entry names what it is. Their flat parameter lists mirror the Args structs of the headers.
+NATIVE_THREADS = 512  # kThreads in ep_native.cuh: one waiting thread per member, up to 512 members
+_NATIVE_HEADERS = ("ep_config.cuh", "ep_native.cuh", "dispatch.cuh", "combine.cuh")
+_NATIVE_BODIES = {
+    "ep_dispatch_send": (
+        "dispatch.cuh",
+        """const uint8_t* x, long long x_bytes, const long long* topk_idx, const float* topk_weights,
+    const bool* mask, const long long* send_slot, const int* rows_to, const long long* peer_ws,
+    const long long* peer_sig, long long region_bytes, long long row_stride, long long meta_offset,
+    int num_tokens, int num_topk, int num_ranks, int me, int num_local_experts, unsigned int* done,
+    long long* status, unsigned long long timeout_ns""",
+        """lck_ep::DispatchSendArgs a{x, x_bytes, topk_idx, topk_weights, mask, send_slot, rows_to, peer_ws,
+        peer_sig, region_bytes, row_stride, meta_offset, num_tokens, num_topk, num_ranks, me,
+        num_local_experts, done, status, timeout_ns};
+    lck_ep::dispatch_send(a);""",
+    ),
+    "ep_dispatch_recv": (
+        "dispatch.cuh",
+        """const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
+    long long meta_offset, long long x_bytes, long long cap, long long out_rows, int num_ranks, int me,
+    int num_topk, int has_meta, int num_local_experts, uint8_t* recv_x, long long* recv_src_idx,
+    long long* recv_topk_idx, float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts,
+    long long* recv_starts, long long* slot_pos, long long* num_recv, long long* per_expert,
+    unsigned int* done, long long* status, unsigned long long timeout_ns""",
+        """lck_ep::DispatchRecvArgs a{ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, cap, out_rows,
+        num_ranks, me, num_topk, has_meta, num_local_experts, recv_x, recv_src_idx, recv_topk_idx,
+        recv_topk_weights, recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, done,
+        status, timeout_ns};
+    lck_ep::dispatch_recv(a);""",
+    ),
+    "ep_combine_send": (
+        "combine.cuh",
+        """const uint8_t* partial, long long row_bytes, long long valid_rows, const long long* recv_counts,
+    const long long* recv_starts, const long long* peer_ws, const long long* peer_sig,
+    long long region_bytes, long long row_stride, int num_ranks, int me, unsigned int* done,
+    long long* status, unsigned long long timeout_ns""",
+        """lck_ep::CombineSendArgs a{partial, row_bytes, valid_rows, recv_counts, recv_starts, peer_ws, peer_sig,
+        region_bytes, row_stride, num_ranks, me, done, status, timeout_ns};
+    lck_ep::combine_send(a);""",
+    ),
+    "ep_combine_recv": (
+        "combine.cuh",
+        """const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
+    const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
+    int num_tokens, int hidden, int num_ranks, int me, int dtype, unsigned int* done, long long* status,
+    unsigned long long timeout_ns""",
+        """lck_ep::CombineRecvArgs a{ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
+        num_tokens, hidden, num_ranks, me, done, status, timeout_ns};
+    if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);  // 0: bf16, 1: fp16 (lck_ep.native)
+    else lck_ep::combine_recv<__half>(a);""",
+    ),
+}
+NATIVE_KERNELS = tuple(_NATIVE_BODIES)
+
+
+def _runtime_csrc() -> Path:
+    """lck_runtime's CUDA headers (``lck_sync.cuh``), found without importing the runtime."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lck_runtime")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "lck_ep.codegen: lck_runtime is not importable; the native kernels include its headers"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "csrc"
+
+
+def native_source(kernel: str, hybrid_kernel: str = "unordered") -> str:
+    """The generated translation unit of one native scale-up kernel (see ``NATIVE_KERNELS``)."""
+    if kernel not in _NATIVE_BODIES:
+        raise ValueError(f"native_source: kernel must be one of {', '.join(NATIVE_KERNELS)}, got {kernel!r}")
+    if hybrid_kernel not in HYBRID_KERNELS:
+        raise ValueError(
+            f"native_source: hybrid_kernel must be one of {', '.join(HYBRID_KERNELS)}, got {hybrid_kernel!r}"
+        )
+    header, params, body = _NATIVE_BODIES[kernel]
+    return f"""\
+// Generated by lck_ep.codegen -- do not edit. Kernel: {kernel}; hybrid variant: {hybrid_kernel}.
+#include "ep_config.cuh"
+#include "{header}"
+
+#define LCK_EP_HYBRID_VARIANT "{hybrid_kernel}"
+
+extern "C" __global__ void __launch_bounds__({NATIVE_THREADS})
+{kernel}({params}) {{
+    {body}
+}}
+"""
+
+
+def native_spec(kernel: str, knobs: EpKnobs) -> KernelSpec:
+    """One native scale-up kernel as built under ``knobs``."""
+    runtime = _runtime_csrc()
+    return KernelSpec(
+        name=kernel,
+        source=native_source(kernel, knobs.hybrid_kernel),
+        kernel=kernel,
+        defines=knobs.defines(),
+        headers=(*(CSRC_DIR / h for h in _NATIVE_HEADERS), runtime / "lck_sync.cuh"),
+        include_dirs=(CSRC_DIR, runtime),
     )

@@ -39,6 +39,10 @@ is padded with zero rows up to ``expert_offsets[j + 1]``, a multiple of ``expert
     ``recv_expanded_index [N, K]`` int64 (expanded row of each (row, slot), -1 where the slot is not
     local). ``M`` = ``expert_offsets[L]`` in synced mode, ``num_worst_tokens * K + L * (alignment - 1)``
     in sync-free mode (rows past ``expert_offsets[L]`` are padding).
+
+Native backend (``backend == "nvshmem"``): ``send_slot`` and ``recv_slot_pos`` are filled in both modes
+(``send_token_idx`` is None), and ``recv_counts_device [W]`` / ``recv_starts [W + 1]`` (int64, device)
+say where each source's rows start among the received rows; combine and replays use only these.
 """
 
 from __future__ import annotations
@@ -84,6 +88,10 @@ class DispatchHandle:
     expanded_slot: torch.Tensor | None = None
     recv_expanded_index: torch.Tensor | None = None
     num_expanded_rows: int | None = None
+    # which backend moved the rows, and what the native one replays and combines with
+    backend: str = "reference"
+    recv_counts_device: torch.Tensor | None = None  # [W] int64 rows received from each source
+    recv_starts: torch.Tensor | None = None  # [W + 1] int64 their prefix sums
 
     @property
     def num_rows_in(self) -> int:

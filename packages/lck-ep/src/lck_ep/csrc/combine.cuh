@@ -1,0 +1,137 @@
+// lck-ep: native combine over peer views of the symmetric workspace (scale-up: one host).
+//
+// combine_send (every member, as the host of experts): the partial row of each received row goes back to
+// its source, into the source's region for this member at the row the source sent it from (received row
+// p of source s is row p - starts[s] there). Rows a capacity-sized dispatch dropped go back as zeros, as
+// the reference backend sends them. Then the last block publishes the operation to every member.
+// combine_recv (every member, as a source): for each token, a float32 sum from +0.0 over the members it
+// went to, in ascending order, then the biases, rounded once to the output type: the reference backend's
+// order, so the results agree bit for bit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "ep_native.cuh"
+
+namespace lck_ep {
+
+struct CombineSendArgs {
+  const uint8_t* partial;       // [valid_rows, row_bytes]
+  long long row_bytes, valid_rows;
+  const long long* recv_counts;  // [W] rows received from each source by the dispatch
+  const long long* recv_starts;  // [W + 1]
+  const long long* peer_ws;
+  const long long* peer_sig;
+  long long region_bytes, row_stride;
+  int num_ranks, me;
+  unsigned int* done;
+  long long* status;
+  unsigned long long timeout_ns;
+};
+
+__device__ inline void combine_send(const CombineSendArgs& a) {
+  __shared__ long long starts[kMaxRanks + 1];
+  const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
+  const unsigned long long op = current_op(peer_sig[a.me], a.me);
+  for (int s = threadIdx.x; s <= a.num_ranks; s += blockDim.x) starts[s] = a.recv_starts[s];
+  const bool ok = wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseCombineFree, a.timeout_ns);
+  if (ok) {
+    const int lane = threadIdx.x & 31;
+    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    const long long total = starts[a.num_ranks];
+    for (long long p = warp; p < total; p += warps) {
+      const int s = source_of(starts, a.num_ranks, p);
+      uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[s]) + a.me * a.region_bytes + (p - starts[s]) * a.row_stride;
+      if (p < a.valid_rows) warp_copy(row, a.partial + p * a.row_bytes, a.row_bytes, lane);
+      else warp_zero(row, a.row_bytes, lane);
+    }
+  }
+  finish_grid(a.done, [&] {
+    if (failed(a.status)) return;
+    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+      long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
+      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), op);
+    }
+  });
+}
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+struct CombineRecvArgs {
+  const uint8_t* ws;
+  long long* my_sig;
+  long long region_bytes, row_stride;
+  const bool* mask;            // [T, W]
+  const long long* send_slot;  // [T, W]
+  const void* bias0;           // [T, H] or nullptr
+  const void* bias1;
+  void* out;                   // [T, H]
+  int num_tokens, hidden, num_ranks, me;
+  unsigned int* done;
+  long long* status;
+  unsigned long long timeout_ns;
+};
+
+// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows).
+template <typename T, int kVec>
+__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane) {
+  const T* b0 = static_cast<const T*>(a.bias0);
+  const T* b1 = static_cast<const T*>(a.bias1);
+  T* out = static_cast<T*>(a.out) + t * a.hidden;
+  for (int h = lane * kVec; h < a.hidden; h += 32 * kVec) {
+    float acc[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+    for (int d = 0; d < a.num_ranks; ++d) {
+      if (!a.mask[t * a.num_ranks + d]) continue;
+      const T* row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + a.send_slot[t * a.num_ranks + d] * a.row_stride);
+      T vals[kVec];
+      if constexpr (kVec == 8) {
+        *reinterpret_cast<int4*>(vals) = *reinterpret_cast<const int4*>(row + h);
+      } else {
+        vals[0] = row[h];
+      }
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[v] = __fadd_rn(acc[v], to_float(vals[v]));
+    }
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      if (b0 != nullptr) acc[v] = __fadd_rn(acc[v], to_float(b0[t * a.hidden + h + v]));
+      if (b1 != nullptr) acc[v] = __fadd_rn(acc[v], to_float(b1[t * a.hidden + h + v]));
+      out[h + v] = from_float<T>(acc[v]);
+    }
+  }
+}
+
+template <typename T>
+__device__ inline void combine_recv(const CombineRecvArgs& a) {
+  __shared__ long long counts[kMaxRanks];
+  __shared__ long long starts[kMaxRanks + 1];
+  const unsigned long long op = current_op(a.my_sig, a.me);
+  const bool ok = gather_arrivals(a.my_sig, a.num_ranks, kCombineArrived, 0, op, counts, starts, a.status,
+                                  kPhaseCombineArrive, a.timeout_ns);
+  if (ok) {
+    const int lane = threadIdx.x & 31;
+    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    // 16-byte lanes need a row length that keeps every row (workspace and output) 16-byte aligned.
+    const bool vec = (a.hidden % 8) == 0 && (a.row_stride % 16) == 0 &&
+                     (reinterpret_cast<uintptr_t>(a.out) % 16) == 0;
+    for (long long t = warp; t < a.num_tokens; t += warps) {
+      if (vec) reduce_token<T, 8>(a, t, lane);
+      else reduce_token<T, 1>(a, t, lane);
+    }
+  }
+  finish_grid(a.done, [&] {
+    if (threadIdx.x == 0 && !failed(a.status))
+      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(a.my_sig + a.me * kSignalWords + kOpsDone), op);
+  });
+}
+
+}  // namespace lck_ep

@@ -1,0 +1,358 @@
+"""The native scale-up backend's device state and kernel launches (``csrc/dispatch.cuh``, ``combine.cuh``).
+
+One :class:`NativeEp` per configured MoE context (shared by every Buffer of that group): the addresses
+of every member's symmetric workspace and signal words as mapped in this process, the kernels, a
+diagnostic word and a pinned host mirror of it. The workspace is cut into one region per source member
+of ``MoEConfig.max_tokens`` rows of ``row_stride`` bytes (the size the runtime reserves:
+``lck_runtime.symmetric.moe_workspace_bytes``); the protocol and the row layout are in ``ep_native.cuh``.
+
+Waits are bounded: a member that does not arrive within the Buffer's ``timeout_s`` leaves a diagnostic
+instead of a hang; every later call on the context raises it (:class:`NativeTimeoutError`), and
+:meth:`NativeEp.check` raises it after a synchronisation.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lck_ep.codegen import NATIVE_KERNELS, native_spec
+from lck_ep.knobs import EpKnobs, read_knobs
+
+__all__ = [
+    "DEFAULT_NUM_SMS",
+    "NATIVE_DTYPES",
+    "NativeEp",
+    "NativeTimeoutError",
+    "build_native_kernels",
+    "compile_native_kernels",
+    "native_problem",
+    "row_layout",
+]
+
+DEFAULT_NUM_SMS = 24  # channels (blocks) per kernel unless the Buffer is given num_sms
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)  # rows the workspace is sized for (2-byte elements)
+_THREADS = 512
+_PHASES = {
+    1: "dispatch, waiting for a destination to finish reading the previous operation",
+    2: "dispatch, waiting for a source's rows",
+    3: "combine, waiting for a source to finish reading the previous operation",
+    4: "combine, waiting for a destination's partial rows",
+}
+_LOCK = threading.Lock()
+_KERNELS: dict[tuple[Any, ...], dict[str, Any]] = {}
+_STATES: dict[int, NativeEp] = {}
+
+
+class NativeTimeoutError(RuntimeError):
+    """A native dispatch or combine waited longer than its bound for a member (or saw it out of step)."""
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    row_stride: int  # bytes per workspace row (16-byte aligned)
+    region_bytes: int  # one source's region: cap rows
+    cap: int  # rows per region (MoEConfig.max_tokens)
+
+
+def row_layout(max_tokens: int, hidden_size: int, top_k: int) -> RowLayout:
+    """The workspace geometry of a context's ``MoEConfig`` (its row as the runtime sized it)."""
+    row = (hidden_size * 2 + top_k * 12 + 15) // 16 * 16
+    return RowLayout(row, max_tokens * row, max_tokens)
+
+
+def meta_offset(hidden: int) -> int:
+    """Where a row's routing starts: after its ``hidden`` 2-byte elements, 4-byte aligned."""
+    return (hidden * 2 + 3) // 4 * 4
+
+
+def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: int, config: Any) -> str | None:
+    """Why a Buffer of this shape cannot run natively on a context with ``config``, or None."""
+    if num_ranks > _THREADS:
+        return f"the native kernels handle groups of at most {_THREADS} ranks, this one has {num_ranks}"
+    lay = row_layout(config.max_tokens, config.hidden_size, config.top_k)
+    need = meta_offset(hidden) + 4 + 6 * num_topk
+    if need > lay.row_stride or max_tokens > lay.cap:
+        return (
+            f"a row of hidden={hidden}, num_topk={num_topk} needs {need} bytes and max_tokens_per_rank="
+            f"{max_tokens} rows, but the MoEConfig's workspace rows are {lay.row_stride} bytes, {lay.cap} per source"
+        )
+    return None
+
+
+def _jit() -> Any:
+    from lck_runtime.jit import Jit
+
+    return Jit(prefix="EP")
+
+
+def compile_native_kernels(arch: str, knobs: EpKnobs | None = None) -> dict[str, str]:
+    """Compile every native kernel for ``arch`` without a GPU; ``{kernel name: cubin path}``."""
+    knobs = read_knobs() if knobs is None else knobs
+    jit = _jit()
+    return {
+        k: str(jit.compile_only(**native_spec(k, knobs).build_kwargs(), arch=arch)) for k in NATIVE_KERNELS
+    }
+
+
+def build_native_kernels(device_index: int, knobs: EpKnobs | None = None) -> dict[str, Any]:
+    """Build (or fetch from the JIT cache) and load every native kernel onto ``device_index``.
+
+    Loading happens here, at Buffer construction: a module loaded later could wait behind a peer's
+    kernel spinning on the same GPU (CUDA MPS) and stall both until the timeout.
+    """
+    import os
+
+    knobs = read_knobs() if knobs is None else knobs
+    key = (
+        knobs,
+        os.environ.get("EP_JIT_EXTRA_FLAGS", ""),
+        os.environ.get("EP_JIT_CACHE_DIR", ""),
+        device_index,
+    )
+    with _LOCK:
+        kernels = _KERNELS.get(key)
+        if kernels is None:
+            jit = _jit()
+            kernels = {k: jit.build(**native_spec(k, knobs).build_kwargs()) for k in NATIVE_KERNELS}
+            for kernel in kernels.values():
+                kernel.load(device_index)
+            _KERNELS[key] = kernels
+    return kernels
+
+
+class NativeEp:
+    """The native state of one MoE context on this rank; get it with :meth:`for_context`."""
+
+    def __init__(self, ctx: Any, device: torch.device) -> None:
+        cfg = ctx.config
+        self.ctx = ctx
+        self.me, self.size = ctx.rank, ctx.size
+        self.layout = row_layout(cfg.max_tokens, cfg.hidden_size, cfg.top_k)
+        self.device = device
+        self.workspace = ctx.workspace
+        self.signals = ctx.signals
+        # Peer views stay referenced: their mappings back the addresses handed to the kernels.
+        self._views = [
+            (self.workspace, self.signals) if r == self.me else (ctx.peer_workspace(r), ctx.peer_signals(r))
+            for r in range(self.size)
+        ]
+        self.peer_ws = torch.tensor([w.data_ptr() for w, _ in self._views], dtype=torch.int64, device=device)
+        self.peer_sig = torch.tensor([s.data_ptr() for _, s in self._views], dtype=torch.int64, device=device)
+        self.done = torch.zeros(4, dtype=torch.int32, device=device)  # one grid ticket per kernel
+        self.status = torch.zeros(6, dtype=torch.int64, device=device)
+        self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
+        self.kernels = build_native_kernels(device.index)
+
+    @classmethod
+    def for_context(cls, ctx: Any, device: torch.device) -> NativeEp:
+        with _LOCK:
+            state = _STATES.get(id(ctx))
+            if state is not None and state.ctx is ctx:
+                return state
+        state = cls(ctx, device)
+        with _LOCK:
+            _STATES[id(ctx)] = state
+        return state
+
+    # -- diagnostics ----------------------------------------------------------------------------------
+    def raise_if_failed(self) -> None:
+        """Raise the diagnostic an earlier call left (no synchronisation: what has landed on the host)."""
+        s = self.status_host
+        if int(s[0]) == 0:
+            return
+        code, phase, who, seen, want, waited = (int(v) for v in s.tolist())
+        what = _PHASES.get(phase, f"phase {phase}")
+        ranks = self.ctx.ranks
+        if code == 1:
+            detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
+        else:
+            detail = f"group rank {who} (global rank {ranks[who]}) is at operation {seen}, expected {want}"
+        raise NativeTimeoutError(
+            f"lck_ep native backend on group rank {self.me}: {what}: {detail}. A member stopped calling "
+            "dispatch/combine or called a different sequence; this context's native state is unusable now "
+            "(finalize and configure again)"
+        )
+
+    def check(self) -> None:
+        """Synchronise with the device and raise the diagnostic of a failed wait, if any."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.status_host.copy_(self.status)
+        self.raise_if_failed()
+
+    def _mirror(self) -> None:
+        self.status_host.copy_(self.status, non_blocking=True)
+
+    # -- launches -------------------------------------------------------------------------------------
+    def send_rows(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        send_slot: torch.Tensor,
+        rows_to: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_local_experts: int,
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        from lck_runtime.jit import I32, I64, U64, Ptr
+
+        lay = self.layout
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        self.kernels["ep_dispatch_send"].launch(
+            num_sms,
+            _THREADS,
+            [
+                x,
+                I64(x.shape[1] * x.element_size()),
+                topk_idx if topk_idx is not None else Ptr(0),
+                topk_weights if topk_weights is not None else Ptr(0),
+                mask,
+                send_slot,
+                rows_to,
+                self.peer_ws,
+                self.peer_sig,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I64(meta_offset(x.shape[1])),
+                I32(x.shape[0]),
+                I32(k),
+                I32(self.size),
+                I32(self.me),
+                I32(num_local_experts),
+                self.done[0:1],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+
+    def receive_rows(
+        self,
+        *,
+        hidden: int,
+        num_topk: int,
+        has_meta: bool,
+        num_local_experts: int,
+        cap: int,
+        out: dict[str, torch.Tensor | None],
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        from lck_runtime.jit import I32, I64, U64, Ptr
+
+        lay = self.layout
+
+        def opt(name: str) -> Any:
+            t = out.get(name)
+            return Ptr(0) if t is None else t
+
+        recv_x = out["recv_x"]
+        assert recv_x is not None
+        self.kernels["ep_dispatch_recv"].launch(
+            num_sms,
+            _THREADS,
+            [
+                self.workspace,
+                self.signals,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I64(meta_offset(hidden)),
+                I64(hidden * recv_x.element_size()),
+                I64(cap),
+                I64(recv_x.shape[0]),
+                I32(self.size),
+                I32(self.me),
+                I32(num_topk),
+                I32(1 if has_meta else 0),
+                I32(num_local_experts),
+                recv_x,
+                opt("recv_src_idx"),
+                opt("recv_topk_idx"),
+                opt("recv_topk_weights"),
+                opt("recv_src_rank"),
+                opt("recv_counts"),
+                opt("recv_starts"),
+                opt("slot_pos"),
+                opt("num_recv"),
+                opt("per_expert"),
+                self.done[1:2],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+        self._mirror()
+
+    def send_partials(
+        self,
+        partial: torch.Tensor,
+        recv_counts: torch.Tensor,
+        recv_starts: torch.Tensor,
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        from lck_runtime.jit import I32, I64, U64
+
+        lay = self.layout
+        self.kernels["ep_combine_send"].launch(
+            num_sms,
+            _THREADS,
+            [
+                partial,
+                I64(partial.shape[1] * partial.element_size()),
+                I64(partial.shape[0]),
+                recv_counts,
+                recv_starts,
+                self.peer_ws,
+                self.peer_sig,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I32(self.size),
+                I32(self.me),
+                self.done[2:3],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+
+    def reduce_partials(
+        self,
+        out: torch.Tensor,
+        mask: torch.Tensor,
+        send_slot: torch.Tensor,
+        bias: tuple[torch.Tensor, ...],
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        from lck_runtime.jit import I32, I64, U64, Ptr
+
+        lay = self.layout
+        b0 = bias[0] if len(bias) > 0 else Ptr(0)
+        b1 = bias[1] if len(bias) > 1 else Ptr(0)
+        self.kernels["ep_combine_recv"].launch(
+            num_sms,
+            _THREADS,
+            [
+                self.workspace,
+                self.signals,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                mask,
+                send_slot,
+                b0,
+                b1,
+                out,
+                I32(out.shape[0]),
+                I32(out.shape[1]),
+                I32(self.size),
+                I32(self.me),
+                I32(0 if out.dtype == torch.bfloat16 else 1),
+                self.done[3:4],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+        self._mirror()
