@@ -77,6 +77,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     host) timeout "$limit" python3 packages/lck-kernels/benchmarks/host_overhead.py --out "$W/host" ;;
     flce-clocks) timeout "$limit" python3 packages/lck-kernels/benchmarks/flce_clocks.py --out "$W/flce-clocks" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
+    ep-k) timeout "$limit" python3 -m pytest packages/lck-ep/tests -m gpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short --durations=10 ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
     runtime-g) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;

@@ -89,13 +89,13 @@ def _jit() -> Any:
     return Jit(prefix="EP")
 
 
-def compile_native_kernels(arch: str, knobs: EpKnobs | None = None) -> dict[str, str]:
-    """Compile every native kernel for ``arch`` without a GPU; ``{kernel name: cubin path}``."""
+def compile_native_kernels(
+    arch: str, knobs: EpKnobs | None = None, only: tuple[str, ...] = NATIVE_KERNELS
+) -> dict[str, str]:
+    """Compile the native kernels (all, or ``only`` these) for ``arch`` without a GPU; ``{name: cubin path}``."""
     knobs = read_knobs() if knobs is None else knobs
     jit = _jit()
-    return {
-        k: str(jit.compile_only(**native_spec(k, knobs).build_kwargs(), arch=arch)) for k in NATIVE_KERNELS
-    }
+    return {k: str(jit.compile_only(**native_spec(k, knobs).build_kwargs(), arch=arch)) for k in only}
 
 
 def build_native_kernels(device_index: int, knobs: EpKnobs | None = None) -> dict[str, Any]:

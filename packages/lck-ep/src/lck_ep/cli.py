@@ -1,0 +1,81 @@
+"""``lck ep``: lck-ep's commands. ``lck ep warmup --arch sm_90a[,sm_100a]`` pre-builds every kernel the
+native backend launches into the JIT cache (``EP_JIT_CACHE_DIR``), with nvcc and no GPU, so that a cluster
+job compiles once on one node instead of on every rank at its first call.
+
+The kernels are built under the ``EP_*`` knobs of the environment, as a run with the same environment
+would look them up; each entry is printed with what it does, its architecture and its cache path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["KERNEL_ROLES", "main", "warmup"]
+
+# What each cache entry is, for the listing (kernel name -> role).
+KERNEL_ROLES = {
+    "ep_layout": "layout (tokens per rank and expert, token-to-rank mask)",
+    "ep_dispatch_send": "dispatch, sender (rows into the destinations' workspaces)",
+    "ep_dispatch_recv": "dispatch, receiver (rows laid out in order, counts per expert)",
+    "ep_combine_send": "combine, sender (partial rows back to their sources)",
+    "ep_combine_recv": "combine, receiver (float32 sum in rank order, bias, rounding)",
+}
+
+
+def warmup(archs: list[str]) -> list[tuple[str, str, str, float]]:
+    """Compile every native-backend kernel for each arch; ``[(kernel, arch, cubin path, seconds)]``.
+
+    Knobs are validated before nvcc runs (a bad ``EP_*`` value raises ``KnobError``)."""
+    from lck_ep.jit import compile_layout_kernel
+    from lck_ep.knobs import read_knobs
+    from lck_ep.native import compile_native_kernels
+
+    knobs = read_knobs()
+    out = []
+    for arch in archs:
+        t0 = time.perf_counter()
+        out.append(
+            ("ep_layout", arch, str(compile_layout_kernel(arch, knobs=knobs)), time.perf_counter() - t0)
+        )
+        for name in ("ep_dispatch_send", "ep_dispatch_recv", "ep_combine_send", "ep_combine_recv"):
+            t0 = time.perf_counter()
+            path = compile_native_kernels(arch, knobs, only=(name,))[name]
+            out.append((name, arch, path, time.perf_counter() - t0))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Expert-parallel tools: lck ep warmup --arch sm_90a[,sm_100a]."""
+    from lck_runtime.jit import SUPPORTED_ARCHS
+
+    parser = argparse.ArgumentParser(prog="lck ep", description="lck-ep tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("warmup", help="pre-build the EP kernels into the JIT cache (nvcc, no GPU needed)")
+    w.add_argument(
+        "--arch",
+        required=True,
+        help=f"comma-separated targets among {', '.join(SUPPORTED_ARCHS)} (e.g. sm_90a,sm_100a)",
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in SUPPORTED_ARCHS]
+    if not archs or bad:
+        print(
+            f"lck ep warmup: --arch {args.arch!r}: expected a comma-separated list of {', '.join(SUPPORTED_ARCHS)}",
+            file=sys.stderr,
+        )
+        return 2
+    from lck_runtime.toolchain import find_nvcc
+
+    if find_nvcc() is None:
+        print("lck ep warmup: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
+        return 2
+    for name, arch, path, secs in warmup(archs):
+        print(f"{name:<18} {arch:<8} {secs:5.1f} s  {KERNEL_ROLES[name]}\n{'':<18} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""Per-rank bodies of the native-backend GPU tests: every output of ``backend="nvshmem"`` against the
+reference backend on the same inputs, bit for bit.
+
+Ranks run over gloo (NCCL refuses several ranks on one GPU), with NVSHMEM PEs sharing the GPUs under CUDA
+MPS, or one per GPU where there are enough. The oracle is a reference Buffer on the CPU over the same
+gloo group; expert outputs are computed once, on the GPU, and the same bits are handed to both combines.
+Each body returns a list of failure strings (empty = pass).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from _routing import route
+
+E_PER_RANK = 8
+TOPK_CAP = 8
+H_CAP = 7168
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    num_topk: int
+    hidden: int
+    dtype: torch.dtype
+    alignment: int
+    num_bias: int
+    tokens: int = 48
+    silent_rank: int | None = None
+    all_minus_one_rank: int | None = None
+    max_world: int = 64  # larger worlds skip the case (CPU oracle cost)
+
+
+CASES = [
+    Case("balanced_h7168_top8", "balanced", 8, 7168, torch.bfloat16, 128, 1),
+    Case("skewed_h2880_top6_fp16", "skewed", 6, 2880, torch.float16, 16, 0),
+    Case("minus_one_h100_top3", "minus_one", 3, 100, torch.bfloat16, 1, 2),
+    Case("rank1_sends_nothing_top4", "balanced", 4, 256, torch.bfloat16, 8, 0, silent_rank=1),
+    Case("top1_rank0_all_minus_one", "balanced", 1, 512, torch.bfloat16, 1, 1, all_minus_one_rank=0),
+    Case("duplicates_top5_h72_fp16", "duplicates", 5, 72, torch.float16, 4, 1),
+    Case("one_token_top7", "minus_one", 7, 1024, torch.bfloat16, 8, 0, tokens=1),
+    Case("tokens4096_h7168_top8", "balanced", 8, 7168, torch.bfloat16, 128, 0, tokens=4096, max_world=2),
+]
+
+
+def configure(world: int, max_tokens: int) -> None:
+    import lck_runtime as L
+
+    torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+    cfg = L.MoEConfig(
+        max_tokens=max_tokens, hidden_size=H_CAP, num_experts=E_PER_RANK * world, top_k=TOPK_CAP
+    )
+    if not L.configure(moe=cfg):
+        raise RuntimeError("configure(moe=...) did not bring up the native (NVSHMEM) runtime")
+
+
+def inputs(case: Case, world: int, rank: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """This rank's (x, topk_idx, topk_weights, bias0, bias1, x2) on the CPU, from ``seed`` alone."""
+    g = torch.Generator().manual_seed(seed)
+    out: tuple[torch.Tensor, ...] = ()
+    for s in range(world):
+        t = case.tokens if s == 0 else int(torch.randint(1, case.tokens + 1, (1,), generator=g))
+        if s == case.silent_rank:
+            t = 0
+        x = torch.randn(t, case.hidden, generator=g).to(case.dtype)
+        idx = route(case.kind, t, case.num_topk, E_PER_RANK * world, world, g)
+        if s == case.all_minus_one_rank:
+            idx = torch.full_like(idx, -1)
+        w = torch.randn(t, case.num_topk, generator=g)
+        b0 = torch.randn(t, case.hidden, generator=g).to(case.dtype)
+        b1 = torch.randn(t, case.hidden, generator=g).to(case.dtype)
+        x2 = torch.randn(t, case.hidden, generator=g).to(case.dtype)
+        if s == rank:
+            out = (x, idx, w, b0, b1, x2)
+    return out
+
+
+def expert(rows: torch.Tensor, offsets: torch.Tensor | None, rank: int) -> torch.Tensor:
+    """A per-expert function of the rows (expanded: by segment), computed on the GPU only."""
+    if offsets is None:
+        return (rows.float() * (1.0 + 0.5 * rank) + 0.25).to(rows.dtype)
+    m = torch.arange(rows.shape[0], device=rows.device)
+    j = torch.searchsorted(offsets[1:].contiguous(), m, right=True).clamp(max=offsets.numel() - 2)
+    return (rows.float() * (1.0 + 0.25 * j.float()).unsqueeze(1) - 0.125 * rank).to(rows.dtype)
+
+
+class Compare:
+    def __init__(self, rank: int, where: str):
+        self.rank, self.where, self.errors = rank, where, []
+
+    def __call__(self, name: str, got: Any, want: Any) -> None:
+        if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+            if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+                self.errors.append(f"rank {self.rank} {self.where}: {name}: {type(got)} vs {type(want)}")
+                return
+            g = got.detach().cpu()
+            if g.dtype != want.dtype or g.shape != want.shape:
+                self.errors.append(
+                    f"rank {self.rank} {self.where}: {name}: {g.dtype}{list(g.shape)} vs {want.dtype}{list(want.shape)}"
+                )
+            elif not torch.equal(g, want):
+                bad = int((g != want).sum()) if g.numel() else 0
+                self.errors.append(
+                    f"rank {self.rank} {self.where}: {name}: {bad} of {g.numel()} elements differ"
+                )
+        elif got != want:
+            self.errors.append(f"rank {self.rank} {self.where}: {name}: {got!r} vs {want!r}")
+
+
+def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank: int, cmp: Compare) -> None:
+    dev = nat.device
+    x, idx, w, b0, b1, x2 = data
+    bias = (b0, b1)[: case.num_bias]
+    # plain dispatch, combine with biases, and a cached-handle replay
+    dn = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+    dr = ref.dispatch(x, idx, w)
+    for name in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
+        cmp(name, getattr(dn, name), getattr(dr, name))
+    cmp("num_recv_tokens_per_expert", dn.num_recv_tokens_per_expert, dr.num_recv_tokens_per_expert)
+    cmp(
+        "num_recv_tokens_per_expert_list",
+        dn.num_recv_tokens_per_expert_list,
+        dr.num_recv_tokens_per_expert_list,
+    )
+    for name in ("recv_src_idx", "recv_src_rank", "recv_slot_pos"):
+        if getattr(dr.handle, name) is not None:
+            cmp(f"handle.{name}", getattr(dn.handle, name), getattr(dr.handle, name))
+    n_recv = dn.handle.num_recv_tokens
+    cmp(
+        "num_recv_tokens",
+        n_recv.cpu() if isinstance(n_recv, torch.Tensor) else n_recv,
+        dr.handle.num_recv_tokens,
+    )
+    y = expert(dn.recv_x, None, rank)
+    cn, _ = nat.combine(y, dn.handle, bias=tuple(b.to(dev) for b in bias) or None)
+    cr, _ = ref.combine(y.cpu(), dr.handle, bias=bias or None)
+    cmp("combine", cn, cr)
+    rn = nat.dispatch(x2.to(dev), handle=dn.handle)
+    rr = ref.dispatch(x2, handle=dr.handle)
+    cmp("replay recv_x", rn.recv_x, rr.recv_x)
+    # expanded, aligned layout and the weighted combine
+    en = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev), expand=True, expert_alignment=case.alignment)
+    er = ref.dispatch(x, idx, w, expand=True, expert_alignment=case.alignment)
+    cmp("expanded recv_x", en.recv_x, er.recv_x)
+    for name in ("expert_offsets", "expanded_src_row", "expanded_slot", "recv_expanded_index"):
+        cmp(f"handle.{name}", getattr(en.handle, name), getattr(er.handle, name))
+    ye = expert(en.recv_x, en.handle.expert_offsets, rank)
+    cen, _ = nat.combine(
+        ye, en.handle, topk_weights=en.recv_topk_weights, bias=tuple(b.to(dev) for b in bias) or None
+    )
+    cer, _ = ref.combine(ye.cpu(), er.handle, topk_weights=er.recv_topk_weights, bias=bias or None)
+    cmp("expanded weighted combine", cen, cer)
+
+
+def suite(rank: int, world: int, seed: int) -> list[str]:
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    errors: list[str] = []
+    try:
+        configure(world, max(c.tokens for c in CASES if world <= c.max_world))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        group = dist.group.WORLD
+        for i, case in enumerate(CASES):
+            if world > case.max_world:
+                continue
+            for sync_free in (False, True):
+                where = f"{case.name} {'sync-free' if sync_free else 'synced'}"
+                cmp = Compare(rank, where)
+                args = (group, case.tokens, case.hidden, case.num_topk, E_PER_RANK * world)
+                nat = Buffer(*args, sync_free=sync_free, device=dev, backend="nvshmem")
+                ref = Buffer(*args, sync_free=sync_free, device="cpu", backend="reference")
+                if nat.backend != "nvshmem" or ref.backend != "reference":
+                    errors.append(f"rank {rank} {where}: backends {nat.backend}/{ref.backend}")
+                try:
+                    _round(case, nat, ref, inputs(case, world, rank, seed + 1000 * i), rank, cmp)
+                except Exception:
+                    cmp.errors.append(f"rank {rank} {where} raised:\n{traceback.format_exc()}")
+                nat.check_errors()
+                errors += cmp.errors
+        errors += _graph_and_loop(rank, world, seed, dev)
+        L.finalize()
+    except Exception:
+        errors.append(f"rank {rank} raised:\n{traceback.format_exc()}")
+    return errors
+
+
+def _graph_and_loop(rank: int, world: int, seed: int, dev: torch.device) -> list[str]:
+    """A sync-free round trip captured in a CUDA graph and replayed with new routings (checked against
+    the eager reference), then 200 eager round trips back to back."""
+    import torch.distributed as dist
+
+    from lck_ep import Buffer
+
+    case = CASES[2]
+    args = (dist.group.WORLD, case.tokens, case.hidden, case.num_topk, E_PER_RANK * world)
+    nat = Buffer(*args, sync_free=True, device=dev, backend="nvshmem")
+    ref = Buffer(*args, sync_free=True, device="cpu", backend="reference")
+    cmp = Compare(rank, "graph replay")
+    x, idx, w, b0, _, _ = (t.to(dev) for t in inputs(case, world, rank, seed))
+    sx, sidx, sw, sb = x.clone(), idx.clone(), w.clone(), b0.clone()
+
+    def trip(buf: Any, xx: Any, ii: Any, ww: Any, bb: Any) -> tuple[Any, Any]:
+        d = buf.dispatch(xx, ii, ww, expand=True, expert_alignment=case.alignment)
+        y = expert(d.recv_x, d.handle.expert_offsets, rank)
+        c, _ = buf.combine(y, d.handle, topk_weights=d.recv_topk_weights, bias=bb)
+        p = buf.dispatch(xx, ii, ww)
+        c2, _ = buf.combine(expert(p.recv_x, None, rank), p.handle)
+        return c, c2
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        trip(nat, sx, sidx, sw, sb)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = trip(nat, sx, sidx, sw, sb)
+    for trial in range(3):
+        nx, nidx, nw, nb, _, _ = inputs(case, world, rank, seed + 77 * (trial + 1))
+        t = sx.shape[0]
+        pad = t - nx.shape[0]
+        if pad > 0:  # same static shape: pad with tokens that go nowhere
+            nx = torch.cat([nx, torch.randn(pad, case.hidden).to(case.dtype)])
+            nidx = torch.cat([nidx, torch.full((pad, case.num_topk), -1, dtype=torch.int64)])
+            nw = torch.cat([nw, torch.rand(pad, case.num_topk)])
+            nb = torch.cat([nb, torch.zeros(pad, case.hidden, dtype=case.dtype)])
+        nx, nidx, nw, nb = nx[:t], nidx[:t], nw[:t], nb[:t]
+        for dst, src in ((sx, nx), (sidx, nidx), (sw, nw), (sb, nb)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        # the reference needs the same expert outputs: recompute them from its own (equal) rows
+        d = ref.dispatch(nx, nidx, nw, expand=True, expert_alignment=case.alignment)
+        y = expert(d.recv_x.to(dev), d.handle.expert_offsets.to(dev), rank).cpu()
+        c, _ = ref.combine(y, d.handle, topk_weights=d.recv_topk_weights, bias=nb)
+        p = ref.dispatch(nx, nidx, nw)
+        c2, _ = ref.combine(expert(p.recv_x.to(dev), None, rank).cpu(), p.handle)
+        cmp(f"replay {trial}: expanded weighted combine", out[0], c)
+        cmp(f"replay {trial}: combine", out[1], c2)
+    nat.check_errors()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        last = trip(nat, x, idx, w, b0)
+    torch.cuda.synchronize()
+    nat.check_errors()
+    first = trip(nat, x, idx, w, b0)
+    cmp("200 iterations: expanded combine stable", last[0], first[0].cpu())
+    if time.perf_counter() - t0 > 120:
+        cmp.errors.append(f"rank {rank}: 200 round trips took {time.perf_counter() - t0:.0f} s")
+    return cmp.errors
+
+
+def stop(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """The last rank never calls; the others' sync-free dispatch must give up within ``timeout_s``."""
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    configure(world, 16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(
+        dist.group.WORLD, 16, 64, 2, E_PER_RANK * world, sync_free=True, device=dev, timeout_s=timeout_s
+    )
+    out: dict[str, Any] = {"backend": buf.backend}
+    dist.barrier()
+    if rank != world - 1:
+        x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
+        idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
+        t0 = time.perf_counter()
+        buf.dispatch(x, idx)
+        try:
+            buf.check_errors()
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.perf_counter() - t0
+        try:  # every later call raises at once
+            buf.dispatch(x, idx)
+        except Exception as exc:
+            out["later"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    L.finalize()
+    return out

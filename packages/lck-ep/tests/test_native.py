@@ -1,0 +1,170 @@
+"""The native (NVSHMEM) backend: selection and its errors on CPU, kernels compiled with nvcc, and on a GPU
+every output bit for bit equal to the reference backend's with 2, 4 and 8 PEs (several PEs share a GPU
+under CUDA MPS where fewer GPUs are lent), CUDA-graph replay, 200 round trips, and a PE that stops
+calling making the others raise within the bound.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from lck_runtime.testing import (
+    SHARED_GPU_SKIP,
+    SINGLE_HOST_NVSHMEM_ENV,
+    error_text,
+    mps_daemon_running,
+    run_workers,
+    shared_gpu_env,
+)
+
+TIMEOUT = 240
+
+
+# ---------------------------------------------------------------------------------------- CPU: selection
+
+
+def _selection(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+    from lck_runtime import fake_nvshmem
+
+    g = dist.group.WORLD
+    out: dict[str, Any] = {}
+    out["auto, unconfigured"] = Buffer(g, 8, 16, 2, 4 * world).backend
+    out["nvshmem, unconfigured"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem")
+    out["bad backend"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nccl")
+    out["bad num_sms"] = error_text(Buffer, g, 8, 16, 2, 4 * world, num_sms=0)
+    out["bad timeout"] = error_text(Buffer, g, 8, 16, 2, 4 * world, timeout_s=-1.0)
+    # A rank that asks for another backend than its peers is refused on every rank.
+    out["disagree"] = error_text(
+        Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem" if rank == 1 else "reference"
+    )
+    fake_nvshmem.install(rank, world)
+    assert L.configure(moe=L.MoEConfig(max_tokens=8, hidden_size=16, num_experts=4 * world, top_k=2))
+    out["auto, native context on cpu"] = Buffer(g, 8, 16, 2, 4 * world).backend
+    out["nvshmem on cpu"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem")
+    out["gloo with cuda, reference"] = error_text(
+        Buffer, g, 8, 16, 2, 4 * world, device="cuda:0", backend="reference"
+    )
+    L.finalize()
+    return out
+
+
+def test_backend_selection_and_its_errors_agree_on_every_rank() -> None:
+    outs = run_workers(_selection, 2, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "60"})
+    want = {
+        "auto, unconfigured": "reference",
+        "nvshmem, unconfigured": "backend='nvshmem' cannot run: no MoE context is configured for this group",
+        "bad backend": "backend must be one of 'auto', 'nvshmem', 'reference', got 'nccl'",
+        "bad num_sms": "num_sms must be None or an int in [1, 1024], got 0",
+        "bad timeout": "timeout_s must be a number of seconds in (0, 3600], got -1.0",
+        "auto, native context on cpu": "reference",
+        "nvshmem on cpu": "the native kernels move CUDA tensors, got device=cpu",
+        "gloo with cuda, reference": "a gloo group moves CPU tensors, got device=cuda:0",
+    }
+    for key, text in want.items():
+        got = {o[key] for o in outs}
+        assert len(got) == 1, (key, got)  # the same answer on both ranks
+        assert text in got.pop(), (key, outs[0][key])
+    disagree = {o["disagree"] for o in outs}
+    assert len(disagree) == 1, disagree
+    msg = disagree.pop()
+    # rank 1 cannot build a native Buffer (no context yet): its reason reaches rank 0 too
+    assert "rank 1: Buffer: backend='nvshmem' cannot run" in msg, msg
+
+
+def test_native_problem_names_the_limit() -> None:
+    from lck_ep.native import native_problem, row_layout
+    from lck_runtime import MoEConfig
+
+    cfg = MoEConfig(max_tokens=128, hidden_size=7168, num_experts=16, top_k=8)
+    assert native_problem(hidden=7168, num_topk=8, num_ranks=2, max_tokens=128, config=cfg) is None
+    assert native_problem(hidden=100, num_topk=1, num_ranks=2, max_tokens=1, config=cfg) is None
+    msg = native_problem(hidden=7168, num_topk=8, num_ranks=2, max_tokens=129, config=cfg)
+    assert msg is not None and "max_tokens_per_rank=129" in msg, msg
+    big = MoEConfig(max_tokens=8, hidden_size=64, num_experts=16, top_k=1)
+    msg = native_problem(hidden=64, num_topk=1, num_ranks=600, max_tokens=8, config=big)
+    assert msg is not None and "at most 512 ranks" in msg, msg
+    # every row the runtime sizes holds the hidden state and the routing of any smaller Buffer
+    for h in (1, 2, 3, 7, 8, 100, 7168):
+        for k in range(1, 9):
+            lay = row_layout(4, h, k)
+            assert lay.row_stride % 16 == 0
+            assert (
+                native_problem(hidden=h, num_topk=k, num_ranks=2, max_tokens=4, config=MoEConfig(4, h, 8, k))
+                is None
+            )
+
+
+@pytest.mark.nvcc
+def test_warmup_compiles_every_native_kernel(capsys: Any) -> None:
+    """Built into the run's shared EP_JIT_CACHE_DIR, so later tests load instead of compiling again."""
+    from pathlib import Path
+
+    from lck_ep.cli import KERNEL_ROLES, main
+
+    assert main(["warmup", "--arch", "sm_90a,sm_100a"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in KERNEL_ROLES:
+        rows = [i for i, line in enumerate(lines) if line.startswith(name + " ")]
+        assert len(rows) == 2, (name, lines)  # one per architecture, each with its role and cubin path
+        assert KERNEL_ROLES[name] in lines[rows[0]]
+        for i in rows:
+            assert Path(lines[i + 1].strip()).is_file(), lines[i + 1]
+    assert main(["warmup", "--arch", "sm_80"]) == 2
+
+
+# ---------------------------------------------------------------------------------------- GPU: real NVSHMEM
+
+
+def _gpu_env(world: int) -> dict[str, str]:
+    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER"}
+    if torch.cuda.device_count() < world:  # several PEs per GPU: under MPS, each with its share
+        env.update(shared_gpu_env(world, torch.cuda.device_count()))
+    return env
+
+
+def _need(world: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from lck_runtime.toolchain import find_nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("needs nvcc for the native kernels")
+    if torch.cuda.device_count() < world and not mps_daemon_running():
+        pytest.skip(SHARED_GPU_SKIP)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_native_equals_reference_bit_for_bit(world: int) -> None:
+    from _native_worker import suite
+
+    _need(world)
+    seed = random.randrange(1, 2**30)
+    outs = run_workers(suite, world, seed, timeout=600, env=_gpu_env(world))
+    errors = [e for per_rank in outs for e in per_rank]
+    assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound(world: int) -> None:
+    from _native_worker import stop
+
+    _need(world)
+    bound = 2.0
+    outs = run_workers(stop, world, bound, timeout=TIMEOUT, env=_gpu_env(world))
+    assert {o["backend"] for o in outs} == {"nvshmem"}
+    for r, o in enumerate(outs[:-1]):
+        err = o.get("error", "")
+        assert err.startswith("NativeTimeoutError"), (r, o)
+        assert "dispatch, waiting for a source's rows" in err and f"group rank {world - 1}" in err, err
+        assert o["seconds"] < bound + 15, o
+        assert o.get("later", "").startswith("NativeTimeoutError"), o
