@@ -29,6 +29,7 @@ _EXPORTS = {
     "EpKnobs": "knobs",
     "KnobError": "knobs",
     "read_knobs": "knobs",
+    "MoEExperts": "moe",
 }
 
 __all__ = ["__version__", *_EXPORTS]

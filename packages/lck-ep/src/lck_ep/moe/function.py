@@ -1,0 +1,184 @@
+"""Forward and backward of the MoE experts layer as one ``torch.autograd.Function``.
+
+Forward, for this rank's ``L`` experts:
+
+1. rows into the expert-major layout, one per (token, slot) whose expert is here: a local sort by expert
+   (:mod:`lck_ep.moe.permute`), or ``Buffer.dispatch(..., expand=True, expert_alignment=a)``;
+2. ``h = x_e @ W1[j]`` per expert segment (grouped GEMM, :mod:`lck_ep.moe.grouped`);
+3. ``act = w * silu(h[:, :F]) * h[:, F:]`` with each row's routing weight ``w`` (one Triton kernel);
+4. ``y_e = act @ W2[j]`` (grouped GEMM);
+5. back to tokens: ``out[t] = sum over k ascending of y_e[row of (t, k)]`` in float32, cast once (locally,
+   or ``Buffer.combine`` without weights, whose documented order is the same on one rank and adds the
+   ranks' partials in rank order), so results are reproducible bit for bit.
+
+Backward runs the same steps in reverse: the combine's backward is a dispatch of the output gradient with
+the cached handle, the dispatch's backward a combine of the rows' input gradients. The routing weights'
+gradient ``dw[row] = sum_j dact[row, j] * silu(g) * u`` comes out of the activation's backward kernel; on
+the Buffer path it travels back to the token's rank through a second Buffer of width ``K`` (the main
+Buffer combines rows of ``hidden`` values only).
+
+Retained tensors: on the runtime's retained-forward stack of the group's MoE context when one is
+configured (checked for room before anything runs; popped in LIFO order, an out-of-order backward is
+refused and pops nothing), else saved through ``ctx.save_for_backward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lck_ep.moe import grouped, launch
+from lck_ep.moe.permute import build_local_layout
+
+
+@dataclass
+class Plan:
+    """What one forward call needs besides tensors (built by the module per call)."""
+
+    num_experts: int  # experts this rank sees in topk_idx: all E on the local path, E on the Buffer path
+    alignment: int
+    buffer: Any = None  # lck_ep.Buffer or None (local path)
+    weights_buffer: Any = None  # callable returning the K-wide Buffer for the routing-weight gradient
+    context: Any = None  # the runtime's MoEContext holding retained forwards, or None
+    retain: bool = True  # False when no backward can follow (grad mode off, nothing requires grad)
+
+
+@dataclass(eq=False)
+class Retained:
+    """One forward's state awaiting its backward (identity matters: the stack pops by identity)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    handle: Any = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def check_room(context: Any) -> None:
+    """Refuse a forward before it launches anything when the context's stack is full."""
+    if context is not None and context.inflight >= context.max_inflight:
+        raise RuntimeError(
+            f"MoEExperts.forward: the retained-forward stack of {context!r} holds max_inflight="
+            f"{context.max_inflight} forward(s) awaiting backward; raise MoEConfig.max_inflight to count every "
+            "MoE layer and microbatch in flight at once (nothing was run)"
+        )
+
+
+def _expanded_weights(recv_w: torch.Tensor, src_row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``w[m] = recv_w[src_row[m], slot[m]]`` (0 on padding rows) for the Buffer's expanded rows."""
+    k = recv_w.shape[1]
+    entry = src_row * k + slot
+    flat = recv_w.reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(src_row.shape[0], dtype=torch.float32, device=recv_w.device)
+    return torch.where(src_row >= 0, flat.index_select(0, entry.clamp(min=0)), 0.0)
+
+
+def _per_slot(dw_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[t, k] = dw_rows[index[t, k]]`` float32, 0 where ``index`` is -1."""
+    if dw_rows.numel() == 0:
+        return torch.zeros(index.shape, dtype=torch.float32, device=index.device)
+    picked = dw_rows.index_select(0, index.reshape(-1).clamp(min=0)).reshape(index.shape)
+    return torch.where(index >= 0, picked, 0.0)
+
+
+def _experts_fwd(x_e, w_e, w1, w2, ends):  # -> (h, y_e)
+    h = grouped.mm(x_e, w1, ends)
+    act = launch.swiglu_weighted_fwd(h, w_e, ends)
+    return h, grouped.mm(act, w2, ends)
+
+
+def _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends):  # -> (dx_e, dw_rows, dw1, dw2)
+    dact = grouped.mm(dy_e, w2.transpose(1, 2), ends)
+    dh, dw_rows, act = launch.swiglu_weighted_bwd(h, w_e, dact, ends)
+    del dact
+    dw2 = grouped.mm_weight_grad(act, dy_e, ends)
+    del act
+    dx_e = grouped.mm(dh, w1.transpose(1, 2), ends)
+    dw1 = grouped.mm_weight_grad(x_e, dh, ends)
+    return dx_e, dw_rows, dw1, dw2
+
+
+class MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, w2, topk_idx, plan: Plan):  # type: ignore[override]
+        check_room(plan.context if plan.retain else None)
+        k = topk_idx.shape[1]
+        idx = topk_idx.to(torch.int64)
+        tw = topk_weights.to(torch.float32).contiguous()
+        buf = plan.buffer
+        if buf is None:
+            if idx.device.type == "cuda" and idx.numel():
+                # A device-side assertion instead of a host read: the local path stays free of syncs.
+                torch._assert_async(((idx >= -1) & (idx < plan.num_experts)).all())
+            layout = build_local_layout(idx, plan.num_experts, plan.alignment)
+            x_e, w_e = launch.gather_rows(x.contiguous(), layout.entry, k, tw.reshape(-1))
+            assert w_e is not None
+            h, y_e = _experts_fwd(x_e, w_e, w1, w2, layout.ends)
+            out = launch.reduce_rows(y_e, layout.index)
+            saved = (x_e, h, w_e, layout.ends, layout.entry, layout.index)
+            handle = None
+        else:
+            d = buf.dispatch(
+                x.contiguous(), idx.contiguous(), tw, expand=True, expert_alignment=plan.alignment
+            )
+            handle = d.handle
+            ends = handle.expert_offsets[1:].to(torch.int32)
+            w_e = _expanded_weights(d.recv_topk_weights, handle.expanded_src_row, handle.expanded_slot)
+            h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends)
+            out = buf.combine(y_e, handle).combined_x
+            saved = (d.recv_x, h, w_e, ends, idx)
+        del y_e
+        ctx.plan = plan
+        ctx.num_topk = k
+        ctx.weights_dtype = topk_weights.dtype
+        if not plan.retain:
+            ctx.entry = None
+            ctx.save_for_backward(w1, w2)
+        elif plan.context is not None:
+            entry = Retained(saved, handle)
+            plan.context.push_forward(entry)
+            ctx.entry = entry
+            ctx.save_for_backward(w1, w2)
+        else:
+            ctx.entry = Retained((), handle)
+            ctx.save_for_backward(w1, w2, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        plan: Plan = ctx.plan
+        entry: Retained | None = ctx.entry
+        if entry is None:
+            raise RuntimeError("MoEExperts: backward of a forward that ran without gradients")
+        if plan.context is not None:
+            plan.context.pop_forward(entry)  # refuses (and pops nothing) when not the newest: LIFO only
+            w1, w2 = ctx.saved_tensors
+            saved = entry.tensors
+            entry.tensors = ()  # the stack no longer holds them; free them when this backward ends
+        else:
+            w1, w2, *saved = ctx.saved_tensors
+        dout = dout.contiguous()
+        buf = plan.buffer
+        if buf is None:
+            x_e, h, w_e, ends, entry_rows, index = saved
+            dy_e, _ = launch.gather_rows(dout, entry_rows, ctx.num_topk, None)
+            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends)
+            dx = launch.reduce_rows(dx_e, index)
+            dtw = _per_slot(dw_rows, index) if ctx.needs_input_grad[1] else None
+        else:
+            x_e, h, w_e, ends, idx = saved
+            handle = entry.handle
+            dy_e = buf.dispatch(dout, handle=handle).recv_x
+            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends)
+            dx = buf.combine(dx_e, handle).combined_x
+            dtw = None
+            if ctx.needs_input_grad[1]:
+                d_recv = _per_slot(dw_rows, handle.recv_expanded_index).contiguous()
+                wbuf = plan.weights_buffer()
+                # Same routing, so the same received rows in the same order as the main dispatch.
+                routed = wbuf.dispatch(torch.zeros(idx.shape, dtype=torch.float32, device=idx.device), idx)
+                dtw = wbuf.combine(d_recv, routed.handle).combined_x
+        if dtw is not None:
+            dtw = dtw.to(ctx.weights_dtype)
+        return dx, dtw, dw1, dw2, None, None

@@ -1,0 +1,66 @@
+"""The no-communication expert-major layout: this rank's (token, slot) entries sorted by expert.
+
+The layout is the one :meth:`lck_ep.Buffer.dispatch` gives with ``expand=True`` on a single rank (see
+:mod:`lck_ep.handle`): one row per (token t, slot k) whose expert is valid, grouped by expert ascending,
+then token ascending, then slot ascending; expert j's rows start at ``offsets[j]``, and each segment is
+padded with zero rows to a multiple of ``alignment``. The two paths therefore feed the grouped GEMMs
+identical rows, and give identical results.
+
+The number of rows is fixed by the shapes, not the data (``T * K + E * (alignment - 1)``; rows past
+``offsets[E]`` belong to no expert and nothing reads them), so building the layout reads nothing on the
+host: one sort of the ``T * K`` expert ids on the device, a binary search for the segment bounds, and
+small scatters.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LocalLayout(NamedTuple):
+    entry: torch.Tensor  # [M] int64: flat (t * K + k) entry of each expanded row, -1 on padding rows
+    index: torch.Tensor  # [T, K] int64: expanded row of each (t, k), -1 where topk_idx is -1
+    offsets: torch.Tensor  # [E + 1] int64: padded segment starts; offsets[E] = rows in use
+    ends: torch.Tensor  # [E] int32: offsets[1:], the cumulative segment ends torch._grouped_mm takes
+
+
+def num_rows(num_tokens: int, num_topk: int, num_experts: int, alignment: int) -> int:
+    """Rows of the layout: every entry plus the most padding any routing can need."""
+    return num_tokens * num_topk + num_experts * (alignment - 1)
+
+
+def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
+    """The layout of ``topk_idx`` ``[T, K]`` (int64 expert ids in ``[0, E)`` or -1; checked by the caller)."""
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    n = t * k
+    e = num_experts
+    flat = topk_idx.reshape(-1)
+    # -1 entries sort after every expert; a stable sort keeps (token, slot) order inside an expert.
+    key = torch.where(flat >= 0, flat, e).to(torch.int32)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.searchsorted(sorted_key, torch.arange(e + 1, dtype=torch.int32, device=dev))
+    m = num_rows(t, k, e, alignment)
+    if alignment == 1:
+        # Sorted position p is expanded row p: no padding, rows past bounds[E] are the -1 entries.
+        offsets = bounds.to(torch.int64)
+        row_of_sorted = torch.arange(n, device=dev)
+        entry = torch.where(sorted_key < e, order, -1)
+    else:
+        counts = (bounds[1:] - bounds[:-1]).to(torch.int64)
+        padded = torch.div(counts + (alignment - 1), alignment, rounding_mode="floor") * alignment
+        offsets = torch.zeros(e + 1, dtype=torch.int64, device=dev)
+        offsets[1:] = torch.cumsum(padded, 0)
+        seg = sorted_key.clamp(max=e - 1).to(torch.int64)
+        pos = torch.arange(n, device=dev) - bounds[seg]
+        # -1 entries all land on row m - 1 (a padding row past offsets[E]) and stay -1 there.
+        row_of_sorted = torch.where(sorted_key < e, offsets[seg] + pos, m - 1)
+        entry = torch.full((m,), -1, dtype=torch.int64, device=dev)
+        entry.scatter_(0, row_of_sorted, torch.where(sorted_key < e, order, -1))
+    index = torch.empty(n, dtype=torch.int64, device=dev)
+    index.scatter_(0, order, torch.where(sorted_key < e, row_of_sorted, -1))
+    return LocalLayout(
+        entry=entry, index=index.reshape(t, k), offsets=offsets, ends=offsets[1:].to(torch.int32)
+    )

@@ -1,0 +1,260 @@
+"""Per-rank body of the multi-process MoEExperts tests, and the float64 oracle they compare against.
+
+Every rank rebuilds every rank's inputs and the whole group's expert weights from one seed, runs its
+``MoEExperts`` (its slice of the weights) forward and backward, and compares the output and every
+gradient with a float64 evaluation of the formula over all ranks' tokens (plain torch, no lck_ep code):
+``y[t] = sum_k w[t,k] (silu(x[t] W1_e[:, :F]) * (x[t] W1_e[:, F:])) W2_e``. A weight's gradient sums over
+the tokens of every rank, so each rank checks the gradient of its own experts. Workers return failure
+strings per case (empty = pass), so one run of the processes covers every case.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+E, H, F, T_MAX = 8, 32, 16, 6
+TOL = 2e-5  # float32 against float64, relative to the largest reference magnitude (at least 1)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num_topk: int
+    alignment: int = 1
+    empty_expert: int | None = 5  # no token of any rank picks this expert
+    silent_rank: int | None = None  # this rank has no token at all
+    minus_one: float = 0.25  # share of slots set to -1 (besides a fully -1 token per rank)
+
+
+CASES = [
+    Case("top1", 1),
+    Case("top2_align4", 2, alignment=4),
+    Case("top3_rank1_silent", 3, silent_rank=1),
+    Case("top4", 4, empty_expert=0),
+    Case("top5_align2", 5, alignment=2),
+    Case("top6", 6, empty_expert=7),
+    Case("top7_align8", 7, alignment=8, minus_one=0.4),
+    Case("top8", 8, empty_expert=3, minus_one=0.1),
+]
+CASE_NAMES = [c.name for c in CASES]
+
+
+def make_inputs(case: Case, world: int, seed: int) -> dict[str, Any]:
+    """Every rank's (x, topk_idx, topk_weights, grad_out) and the group's weights, float64, CPU."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, H, 2 * F, generator=g, dtype=torch.float64) / H**0.5
+    w2 = torch.randn(E, F, H, generator=g, dtype=torch.float64) / F**0.5
+    ranks = []
+    for r in range(world):
+        t = int(torch.randint(2, T_MAX + 1, (1,), generator=g))
+        if r == case.silent_rank:
+            t = 0
+        x = torch.randn(t, H, generator=g, dtype=torch.float64)
+        idx = torch.rand(t, E, generator=g).argsort(dim=1)[:, : case.num_topk].contiguous()
+        idx = torch.where(torch.rand(t, case.num_topk, generator=g) < case.minus_one, -1, idx)
+        if t:
+            idx[t // 2] = -1  # a token that goes to no expert
+        if case.empty_expert is not None:
+            idx = torch.where(idx == case.empty_expert, -1, idx)
+        w = torch.rand(t, case.num_topk, generator=g, dtype=torch.float64)
+        dy = torch.randn(t, H, generator=g, dtype=torch.float64)
+        ranks.append((x, idx, w, dy))
+    return {"w1": w1, "w2": w2, "ranks": ranks}
+
+
+def reference(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Outputs and gradients of sum_r <dy_r, y_r> in float64, by the formula, over all ranks."""
+    w1 = inputs["w1"].clone().requires_grad_()
+    w2 = inputs["w2"].clone().requires_grad_()
+    leaves, outs, loss = [], [], torch.zeros((), dtype=torch.float64)
+    for x, idx, w, dy in inputs["ranks"]:
+        x = x.clone().requires_grad_()
+        w = w.clone().requires_grad_()
+        h = torch.einsum("th,ehf->etf", x, w1)  # every expert on every token, [E, T, 2F]
+        a = torch.nn.functional.silu(h[..., :F]) * h[..., F:]
+        y_all = torch.einsum("etf,efh->eth", a, w2)  # [E, T, H]
+        y = torch.zeros(x.shape[0], H, dtype=torch.float64)
+        for k in range(idx.shape[1]):
+            e = idx[:, k]
+            sel = y_all[e.clamp(min=0), torch.arange(x.shape[0])]
+            y = y + torch.where((e >= 0).unsqueeze(1), w[:, k : k + 1] * sel, 0.0)
+        loss = loss + (y * dy).sum()
+        leaves.append((x, w))
+        outs.append(y.detach())
+    loss.backward()
+    return {
+        "y": outs,
+        "dx": [x.grad if x.grad is not None else torch.zeros_like(x) for x, _ in leaves],
+        "dw": [w.grad if w.grad is not None else torch.zeros_like(w) for _, w in leaves],
+        "dw1": w1.grad,
+        "dw2": w2.grad,
+    }
+
+
+def _close(errors: list[str], where: str, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.detach().double().cpu()
+    if got.shape != want.shape:
+        errors.append(f"{where}: {name} has shape {list(got.shape)}, expected {list(want.shape)}")
+        return
+    if want.numel() == 0:
+        return
+    scale = max(1.0, float(want.abs().max()))
+    err = float((got - want).abs().max())
+    if not err <= TOL * scale:  # NaN fails too
+        errors.append(f"{where}: {name} max error {err:.3e} > {TOL * scale:.1e} against float64")
+
+
+def _module(rank: int, world: int, group: Any, inputs: dict[str, Any], case: Case, buffer: Any = None):
+    from lck_ep import MoEExperts
+
+    m = MoEExperts(E, H, F, group=group, buffer=buffer, dtype=torch.float32, expert_alignment=case.alignment)
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    with torch.no_grad():
+        m.weight1.copy_(inputs["w1"][lo:hi])
+        m.weight2.copy_(inputs["w2"][lo:hi])
+    return m
+
+
+def run_layer(m: Any, rank: int, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    x, idx, w, dy = inputs["ranks"][rank]
+    xf = x.float().requires_grad_()
+    wf = w.float().requires_grad_()
+    y = m(xf, idx, wf)
+    y.backward(dy.float())
+    return {"y": y.detach(), "dx": xf.grad, "dw": wf.grad, "dw1": m.weight1.grad, "dw2": m.weight2.grad}
+
+
+def check_case(case: Case, rank: int, world: int, group: Any, seed: int) -> list[str]:
+    where = f"{case.name} (world {world}, rank {rank}, seed {seed})"
+    errors: list[str] = []
+    inputs = make_inputs(case, world, seed)
+    ref = reference(inputs)
+    got = run_layer(_module(rank, world, group, inputs, case), rank, inputs)
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    _close(errors, where, "output", got["y"], ref["y"][rank])
+    _close(errors, where, "x.grad", got["dx"], ref["dx"][rank])
+    _close(errors, where, "topk_weights.grad", got["dw"], ref["dw"][rank])
+    _close(errors, where, "weight1.grad", got["dw1"], ref["dw1"][lo:hi])
+    _close(errors, where, "weight2.grad", got["dw2"], ref["dw2"][lo:hi])
+    if case.empty_expert is not None and lo <= case.empty_expert < hi:
+        j = case.empty_expert - lo
+        if bool(got["dw1"][j].any()) or bool(got["dw2"][j].any()):
+            errors.append(f"{where}: the expert without tokens has a nonzero weight gradient")
+    return errors
+
+
+def buffer_equals_local(rank: int, world: int, group: Any, seed: int) -> list[str]:
+    """On one rank, a Buffer (reference backend) gives the local path's results bit for bit."""
+    from lck_ep import Buffer
+
+    errors: list[str] = []
+    for case in CASES:
+        inputs = make_inputs(case, 1, seed)
+        kw: dict[str, Any] = {}
+        if "backend" in inspect.signature(Buffer).parameters:
+            kw["backend"] = "reference"
+        buf = Buffer(group, T_MAX, H, case.num_topk, E, **kw)
+        a = run_layer(_module(0, 1, group, inputs, case), 0, inputs)
+        b = run_layer(_module(0, 1, group, inputs, case, buffer=buf), 0, inputs)
+        for name in a:
+            if not torch.equal(a[name], b[name]):
+                errors.append(f"{case.name}: {name} differs between the Buffer and the local path")
+    return errors
+
+
+def stack_contract(rank: int, world: int, group: Any, seed: int) -> list[str]:
+    """max_inflight=2: a third forward is refused before it dispatches; an out-of-order backward is
+    refused and pops nothing; in LIFO order both backwards run and empty the stack."""
+    from lck_runtime.contexts import moe_context
+
+    errors: list[str] = []
+    case = CASES[3]
+    inputs = make_inputs(case, world, seed)
+    m = _module(rank, world, group, inputs, case)
+    ctx = moe_context(group)
+    x, idx, w, dy = inputs["ranks"][rank]
+    xs = [x.float().requires_grad_() for _ in range(3)]
+    y1 = m(xs[0], idx, w.float())
+    y2 = m(xs[1], idx, w.float())
+    calls = []
+    buf = m.buffer
+    if buf is not None:
+        real = buf.dispatch
+        buf.dispatch = lambda *a, **k: calls.append(1) or real(*a, **k)  # count dispatches from here on
+    try:
+        m(xs[2], idx, w.float())
+        errors.append("a forward beyond max_inflight was not refused")
+    except RuntimeError as exc:
+        if "max_inflight=2" not in str(exc):
+            errors.append(f"overflow message does not name max_inflight: {exc}")
+    if calls:
+        errors.append("the refused forward dispatched")
+    if ctx.inflight != 2:
+        errors.append(f"after the refused forward inflight={ctx.inflight}, expected 2")
+    try:
+        y1.backward(dy.float())
+        errors.append("an out-of-order backward was not refused")
+    except RuntimeError as exc:
+        if "LIFO" not in str(exc):
+            errors.append(f"out-of-order message does not say LIFO: {exc}")
+    if ctx.inflight != 2:
+        errors.append(f"after the refused backward inflight={ctx.inflight}, expected 2")
+    y2.backward(dy.float())
+    y1.backward(dy.float())
+    if ctx.inflight != 0:
+        errors.append(f"after both backwards inflight={ctx.inflight}, expected 0")
+    if xs[0].grad is None or not torch.equal(xs[0].grad, xs[1].grad):
+        errors.append("the two retained forwards of the same input gave different x gradients")
+    with torch.no_grad():  # no backward can follow: nothing is retained
+        m(xs[2], idx, w.float())
+    if ctx.inflight != 0:
+        errors.append(f"a forward under no_grad retained state (inflight={ctx.inflight})")
+    return errors
+
+
+def _configure_stack() -> None:
+    from lck_runtime import MoEConfig, configure
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NVSHMEM unavailable on CPU: the torch.distributed path
+        configure(moe=MoEConfig(max_tokens=T_MAX, hidden_size=H, num_experts=E, top_k=8, max_inflight=2))
+
+
+def _guard(results: dict[str, list[str]], key: str, fn: Any, *args: Any) -> None:
+    try:
+        results[key] = fn(*args)
+    except Exception:
+        results[key] = [f"{key} raised:\n{traceback.format_exc()}"]
+
+
+def worker(rank: int, world: int, seed: int) -> dict[str, list[str]]:
+    """Keys ``"<group size>:<check>"``. One process: every case through the local path with the runtime's
+    stack, the stack contract, the Buffer path equal to the local one. Four processes: every case on the
+    4-rank world and on two 2-rank subgroups side by side (ordinary autograd saving), then, with the
+    runtime configured, the stack contract and a case through the stack on the world."""
+    results: dict[str, list[str]] = {}
+    world_group = dist.group.WORLD
+    if world == 1:
+        _configure_stack()
+        for i, case in enumerate(CASES):
+            _guard(results, f"1:{case.name}", check_case, case, 0, 1, world_group, seed + 101 * i)
+        _guard(results, "1:stack", stack_contract, 0, 1, world_group, seed)
+        _guard(results, "1:buffer_equals_local", buffer_equals_local, 0, 1, world_group, seed)
+        return results
+    for i, case in enumerate(CASES):
+        _guard(results, f"{world}:{case.name}", check_case, case, rank, world, world_group, seed + 101 * i)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    pair = pairs[rank // 2]
+    for i, case in enumerate(CASES):
+        _guard(results, f"2:{case.name}", check_case, case, rank % 2, 2, pair, seed + 101 * i + 7)
+    _configure_stack()
+    _guard(results, f"{world}:stack", stack_contract, rank, world, world_group, seed)
+    _guard(results, f"{world}:stack_case", check_case, CASES[-1], rank, world, world_group, seed + 3)
+    return results

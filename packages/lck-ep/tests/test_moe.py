@@ -1,0 +1,245 @@
+"""MoEExperts: the experts layer against a float64 evaluation of its formula, on 1, 2 and 4 gloo ranks
+(real processes), its retained-forward stack contract, the Buffer path equal to the local one bit for bit,
+its kernels and layout against plain torch, argument errors; and on CUDA, bf16 against float64.
+
+``LCK_EP_TEST_SEED`` pins the seed (it is printed in every failure).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+from _moe_worker import CASE_NAMES, worker
+
+from lck_runtime.testing import run_workers
+
+SEED = int(os.environ.get("LCK_EP_TEST_SEED", random.randrange(1, 2**30)))
+_RUNS: dict[int, list[dict[str, list[str]]]] = {}
+ENV = {"TRITON_INTERPRET": "1"}
+
+
+def _assert(size: int, name: str) -> None:
+    """Starting a process with torch and Triton costs more than all the cases together, so one process
+    covers the group of one rank and four processes cover the groups of four and two ranks."""
+    procs = 1 if size == 1 else 4
+    if procs not in _RUNS:
+        _RUNS[procs] = run_workers(worker, procs, SEED, timeout=600, env=ENV)
+    key = f"{size}:{name}"
+    errors = [e for per_rank in _RUNS[procs] if key in per_rank for e in per_rank[key]]
+    assert any(key in per_rank for per_rank in _RUNS[procs]), f"{key}: not run"
+    assert not errors, f"seed {SEED}:\n" + "\n".join(errors)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_layer_matches_float64(size: int, case: str) -> None:
+    _assert(size, case)
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_retained_forward_stack(size: int) -> None:
+    """max_inflight=2: overflow refused before dispatch, out-of-order backward refused, state unchanged."""
+    _assert(size, "stack")
+
+
+def test_layer_through_the_stack_matches_float64() -> None:
+    _assert(4, "stack_case")
+
+
+def test_buffer_path_equals_local_path_on_one_rank() -> None:
+    _assert(1, "buffer_equals_local")
+
+
+# ------------------------------------------------------------------------------------------ in process
+
+
+@pytest.fixture
+def interpret(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_kernels_equal_torch(interpret, monkeypatch) -> None:
+    """Each Triton kernel against the same arithmetic in torch ops (the CPU fallback)."""
+    from lck_ep.moe import launch
+
+    m, f, h, k = 13, 24, 40, 3
+    hh, dact, x = _rand(m, 2 * f, seed=1), _rand(m, f, seed=2), _rand(5, h, seed=3)
+    w = torch.rand(m, generator=torch.Generator().manual_seed(4))
+    ends = torch.tensor([4, 4, 11], dtype=torch.int32)  # rows 11, 12 are in no segment
+    entry = torch.tensor([0, 14, -1, 7, 3, -1, 1, 2, 5, 6, 9, 8, 12])
+    index = torch.tensor([[0, -1, 3], [6, 7, -1], [-1, -1, -1], [10, 9, 8], [2, 1, 4]])
+    w_flat = torch.rand(15, generator=torch.Generator().manual_seed(5))
+    got = [
+        launch.gather_rows(x, entry, k, w_flat),
+        launch.swiglu_weighted_fwd(hh, w, ends)[:11],
+        [t[:11] for t in launch.swiglu_weighted_bwd(hh, w, dact, ends)],
+        launch.reduce_rows(hh, index),
+    ]
+    monkeypatch.setattr(launch, "use_triton", lambda t: False)
+    want = [
+        launch.gather_rows(x, entry, k, w_flat),
+        launch.swiglu_weighted_fwd(hh, w, ends)[:11],
+        [t[:11] for t in launch.swiglu_weighted_bwd(hh, w, dact, ends)],
+        launch.reduce_rows(hh, index),
+    ]
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)  # same order of float32 adds
+    # rows past the last segment end: zero weight gradient
+    assert not launch.swiglu_weighted_bwd(hh, w, dact, ends)[1][11:].any()
+
+
+@pytest.mark.parametrize("alignment", [1, 3, 8])
+def test_local_layout_equals_buffer_layout(alignment: int) -> None:
+    """The local expert-major layout is the Buffer's expanded layout on one rank (lck_ep.expanded)."""
+    from lck_ep.expanded import build_expanded
+    from lck_ep.moe.permute import build_local_layout
+
+    g = torch.Generator().manual_seed(alignment)
+    t, k, e = 9, 3, 5
+    idx = torch.rand(t, e, generator=g).argsort(1)[:, :k].contiguous()
+    idx[torch.rand(t, k, generator=g) < 0.3] = -1
+    idx[idx == 2] = -1  # expert 2 gets nothing
+    lay = build_local_layout(idx, e, alignment)
+    used = int(lay.offsets[-1])
+    ref = build_expanded(idx, e, alignment, used)
+    assert lay.offsets.tolist() == ref.offsets.tolist()
+    assert lay.index.tolist() == ref.index.tolist()
+    entry = torch.where(ref.src_row >= 0, ref.src_row * k + ref.slot, -1)
+    assert lay.entry[:used].tolist() == entry.tolist()
+    assert (lay.entry[used:] == -1).all()
+    assert lay.ends.dtype == torch.int32 and lay.ends.tolist() == ref.offsets[1:].tolist()
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_local_path_matches_float64(monkeypatch, triton: bool) -> None:
+    """One process, no group: the Triton kernels (interpreter) and the torch fallback."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if triton else "0")
+    from _moe_worker import CASES, _close, _module, make_inputs, reference, run_layer
+
+    case = CASES[6]
+    inputs = make_inputs(case, 1, SEED)
+    ref = reference(inputs)
+    got = run_layer(_module(0, 1, None, inputs, case), 0, inputs)
+    errors: list[str] = []
+    for name, want in (("y", ref["y"][0]), ("dx", ref["dx"][0]), ("dw", ref["dw"][0])):
+        _close(errors, f"seed {SEED}", name, got[name], want)
+    _close(errors, f"seed {SEED}", "dw1", got["dw1"], ref["dw1"])
+    _close(errors, f"seed {SEED}", "dw2", got["dw2"], ref["dw2"])
+    assert not errors, "\n".join(errors)
+
+
+def _raises(exc: type, fragments: list[str], fn: Any) -> None:
+    with pytest.raises(exc) as info:
+        fn()
+    for frag in fragments:
+        assert frag in str(info.value), f"{frag!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragments"),
+    [
+        (dict(num_experts=0), ValueError, ["num_experts must be >= 1, got 0"]),
+        (dict(hidden_size=2.0), TypeError, ["hidden_size must be an int"]),
+        (dict(ffn_hidden_size=True), TypeError, ["ffn_hidden_size must be an int"]),
+        (dict(expert_alignment=5000), ValueError, ["expert_alignment must be in [1, 4096]"]),
+        (dict(max_tokens_per_rank=0), ValueError, ["max_tokens_per_rank must be >= 1"]),
+        (dict(dtype=torch.int32), TypeError, ["dtype must be bfloat16, float16 or float32"]),
+        (dict(device="meta"), ValueError, ["device must be cpu or cuda"]),
+        (dict(device="gpu7"), ValueError, ["device='gpu7' is not a device"]),
+        (dict(group="ep"), TypeError, ["group must be a torch.distributed ProcessGroup"]),
+        (dict(buffer=object()), TypeError, ["buffer must be an lck_ep.Buffer"]),
+    ],
+)
+def test_construction_errors(kwargs: dict[str, Any], exc: type, fragments: list[str]) -> None:
+    from lck_ep import MoEExperts
+
+    args = dict(num_experts=4, hidden_size=16, ffn_hidden_size=8) | kwargs
+    n, h, f = args.pop("num_experts"), args.pop("hidden_size"), args.pop("ffn_hidden_size")
+    _raises(exc, ["MoEExperts: ", *fragments], lambda: MoEExperts(n, h, f, **args))
+
+
+def test_forward_errors(interpret) -> None:
+    from lck_ep import MoEExperts
+
+    m = MoEExperts(4, 16, 8, dtype=torch.float32)
+    x, idx, w = torch.randn(3, 16), torch.tensor([[0, 1], [2, -1], [3, 0]]), torch.rand(3, 2)
+    bad = [
+        ((x.double(), idx, w), TypeError, ["x must have the weights' dtype float32, got float64"]),
+        ((x[:, :8], idx, w), ValueError, ["x must have shape [tokens, 16]"]),
+        ((x, idx.float(), w), TypeError, ["topk_idx must be int64 or int32, got float32"]),
+        ((x, idx[:2], w), ValueError, ["topk_idx must have shape [3, k]"]),
+        ((x, idx, w.long()), TypeError, ["topk_weights must be float32, bfloat16 or float16"]),
+        ((x, idx, w[:, :1]), ValueError, ["topk_weights must have topk_idx's shape [3, 2]"]),
+        ((x, idx + 4, w), ValueError, ["topk_idx has entry 7 outside [-1, 4)"]),
+        ((x, idx - 2, w), ValueError, ["topk_idx has entry -3 outside [-1, 4)"]),
+        ((x, None, w), TypeError, ["topk_idx must be a torch.Tensor, got NoneType"]),
+    ]
+    for args, exc, fragments in bad:
+        _raises(exc, ["MoEExperts.forward: ", *fragments], lambda a=args: m(*a))
+    # int32 indices and bf16 weights are accepted; gradients come back in the inputs' dtypes
+    wb = w.bfloat16().requires_grad_()
+    m(x, idx.int(), wb).sum().backward()
+    assert wb.grad is not None and wb.grad.dtype == torch.bfloat16
+
+
+def test_export() -> None:
+    import lck_ep
+    from lck_ep.moe import MoEExperts
+
+    assert lck_ep.MoEExperts is MoEExperts and "MoEExperts" in lck_ep.__all__
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_cuda_bf16_matches_float64(alignment: int) -> None:
+    """bf16 on CUDA (torch._grouped_mm, the Triton kernels) against the formula in float64, with -1 slots
+    and an expert that gets no token (its weight gradients must be exactly zero)."""
+    from lck_ep import MoEExperts
+
+    torch.manual_seed(SEED % 2**31)
+    e, h, f, t, k = 16, 256, 128, 512, 8
+    dev = torch.device("cuda")
+    m = MoEExperts(e, h, f, dtype=torch.bfloat16, device=dev, expert_alignment=alignment)
+    x = torch.randn(t, h, device=dev).bfloat16().requires_grad_()
+    idx = torch.rand(t, e, device=dev).argsort(1)[:, :k]
+    idx = torch.where(torch.rand(t, k, device=dev) < 0.2, -1, idx)
+    idx = torch.where(idx == 7, -1, idx)
+    w = torch.rand(t, k, device=dev).requires_grad_()
+    dy = torch.randn(t, h, device=dev).bfloat16()
+    y = m(x, idx, w)
+    y.backward(dy)
+    w1 = m.weight1.detach().double().requires_grad_()
+    w2 = m.weight2.detach().double().requires_grad_()
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    hh = torch.einsum("th,ehf->etf", xd, w1)
+    y_all = torch.einsum("etf,efh->eth", torch.nn.functional.silu(hh[..., :f]) * hh[..., f:], w2)
+    ref = torch.zeros(t, h, dtype=torch.float64, device=dev)
+    for s in range(k):
+        sel = y_all[idx[:, s].clamp(min=0), torch.arange(t, device=dev)]
+        ref = ref + torch.where((idx[:, s] >= 0).unsqueeze(1), wd[:, s : s + 1] * sel, 0.0)
+    ref.backward(dy.double())
+    for name, got, want in (
+        ("y", y, ref),
+        ("x.grad", x.grad, xd.grad),
+        ("topk_weights.grad", w.grad, wd.grad),
+        ("weight1.grad", m.weight1.grad, w1.grad),
+        ("weight2.grad", m.weight2.grad, w2.grad),
+    ):
+        scale = max(1.0, float(want.abs().max()))
+        err = float((got.double() - want).abs().max())
+        assert err <= 2e-2 * scale, f"seed {SEED}: {name} max error {err:.3e} vs float64 (scale {scale:.2f})"
+    assert not m.weight1.grad[7].any() and not m.weight2.grad[7].any(), "the empty expert got a gradient"
