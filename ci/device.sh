@@ -78,6 +78,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     flce-clocks) timeout "$limit" python3 packages/lck-kernels/benchmarks/flce_clocks.py --out "$W/flce-clocks" ;;
     ep) timeout "$limit" bash -c "$(declare -f pytest_pkg); W=$W pytest_pkg ep" ;;
     ep-k) timeout "$limit" python3 -m pytest packages/lck-ep/tests -m gpu -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short --durations=10 ;;
+    ep-pes) timeout "$limit" bash -c "for n in ${PES:-2}; do python3 -m lck_ep.benchmark --pes \$n ${EP_BENCH_ARGS:-} --out $W/results-ep || exit; done" ;;
     ep-bench) timeout "$limit" python3 -m lck_ep.benchmark --out "$W/results-ep" ;;
     tp) timeout "$limit" python3 -m pytest packages/lck-kernels/tests -m multigpu -ra -q -p no:cacheprovider --tb=short ;;
     runtime-g) timeout "$limit" python3 -m pytest packages/lck-runtime/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
@@ -98,6 +99,8 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     # A script carried beside the tree (e.g. a probe in .device-src): python3 $SCRIPT $SCRIPT_ARGS, its OUT = the work folder.
     script) OUT=$W timeout "$limit" python3 "${SCRIPT:?}" ${SCRIPT_ARGS:-} ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
+    moe) timeout "$limit" python3 -m pytest packages/lck-ep/tests/test_moe.py -m gpu -ra -q -p no:cacheprovider --tb=short ;;
+    moe-bench) timeout "$limit" python3 -m lck_ep.moe.benchmark --out "$W/results-moe" ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac > "$log" 2>&1
   rc=$?

@@ -264,7 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu", action="store_true", help="run over gloo on the CPU (smoke test, tiny shapes)"
     )
+    parser.add_argument(
+        "--pes",
+        type=int,
+        default=None,
+        help="the native backend with this many NVSHMEM PEs sharing the visible GPUs (under CUDA MPS "
+        "when there are fewer GPUs), beside the reference and a plain peer copy (lck_ep.benchmark_native)",
+    )
+    parser.add_argument(
+        "--no-reference", action="store_true", help="with --pes: skip the gloo reference rows"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.pes is not None:
+        from lck_ep.benchmark_native import main_native
+
+        return main_native(args)
 
     if args.cpu:
         world = args.gpus or 2

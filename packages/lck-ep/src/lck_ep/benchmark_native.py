@@ -1,0 +1,235 @@
+"""``lck bench ep --pes N``: the native backend with N NVSHMEM PEs, beside the reference and a plain copy.
+
+N processes over gloo share the visible GPUs (several per GPU under CUDA MPS, which the caller starts:
+``MPS=1 bash ci/device.sh ...``), so what is measured between PEs of one GPU is the kernels' own
+efficiency at HBM speed, not NVLink (FACTS.md: a peer ``copy_`` runs at the local copy's rate there).
+For each shape and provider every row has
+
+- GPU time: :func:`lck_runtime.benchmarking.time_cuda` (the GPU spins ~2.5 ms while the host enqueues),
+  aligned on the device before each call by a native dispatch of no rows (it returns once every PE's
+  stream got there), after a host barrier;
+- host time: what enqueuing one call costs the host;
+- loop time: 20 calls back to back (the native protocol itself keeps the PEs in step).
+
+Bytes are the rows a PE sends to other PEs (deduplicated: a token crosses once per destination rank);
+``copy_peer`` copies those bytes into the next PE's symmetric workspace with ``Tensor.copy_``, all PEs at
+once: the floor the kernels are held to. The reference backend moves CPU tensors over gloo here (NCCL
+refuses two ranks on one GPU); its rows are for scale, not a peer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SHAPES = [  # (name, tokens per rank, hidden, top-k, experts): DeepSeek-V3's MoE rows
+    ("dsv3", 4096, 7168, 8, 256),
+    ("dsv3", 128, 7168, 8, 256),
+]
+
+
+def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cap = max(s[1] for s in SHAPES)
+    _, _, hmax, kmax, experts = SHAPES[0]
+    if not L.configure(moe=L.MoEConfig(max_tokens=cap, hidden_size=hmax, num_experts=experts, top_k=kmax)):
+        raise RuntimeError("the native runtime did not come up (NVSHMEM unavailable)")
+    group = dist.group.WORLD
+    meet = Buffer(group, 1, 8, 1, experts, sync_free=True, device=dev)
+    no_x = torch.empty(0, 8, dtype=torch.bfloat16, device=dev)
+    no_idx = torch.empty(0, 1, dtype=torch.int64, device=dev)
+
+    def align() -> None:  # a native operation of no rows: a device-side meeting point of every PE
+        meet.dispatch(no_x, no_idx, num_worst_tokens=1)
+
+    rows: list[dict[str, Any]] = []
+
+    def attempt(bench: str, provider: str, label: str, fn: Any, nbytes: float, cuda: bool = True) -> None:
+        rec: dict[str, Any] = {"bench": bench, "provider": provider, "shape": label, "bytes": nbytes}
+        try:
+            if cuda:
+                rec["times"] = time_cuda(fn, warmup=3, iters=iters, barrier=dist.barrier, align=align)
+                rec["host_ms"] = host_ms(fn, iters=5, warmup=1) if bench != "copy" else None
+                dist.barrier()
+                rec["loop_ms"] = time_loop(fn, iters=20, warmup=2)
+            else:
+                import time
+
+                fn()
+                times = []
+                for _ in range(3):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                rec["times"] = times
+            rec["summary"] = summarize(rec["times"])
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+        dist.barrier()
+        rows.append(rec)
+
+    for shape in SHAPES:
+        _bench_shape(shape, rank, world, dev, attempt, with_reference)
+        torch.cuda.empty_cache()
+    meet.check_errors()
+    L.finalize()
+    return rows
+
+
+def _bench_shape(
+    shape: tuple[str, int, int, int, int], rank: int, world: int, dev: Any, attempt: Any, with_reference: bool
+) -> None:
+    """Every provider on one shape (collective: every PE runs the same sequence)."""
+    import torch
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    name, tokens, hidden, k, e = shape
+    group = dist.group.WORLD
+    label = f"{name} T{tokens} H{hidden} K{k} E{e} x{world} PEs"
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(tokens, e, generator=g).argsort(dim=1)[:, :k].contiguous().to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    synced = Buffer(group, tokens, hidden, k, e, device=dev)
+    free = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev)
+    d = synced.dispatch(x, idx, w)
+    df = free.dispatch(x, idx, w)
+    sent = float(sum(c for r, c in enumerate(d.handle.send_counts) if r != rank) * hidden * 2)
+    attempt("dispatch", "lck_nvshmem", label, lambda: synced.dispatch(x, idx, w), sent)
+    attempt("dispatch", "lck_nvshmem_sync_free", label, lambda: free.dispatch(x, idx, w), sent)
+    attempt("dispatch_cached", "lck_nvshmem", label, lambda: synced.dispatch(x, handle=d.handle), sent)
+    expanded = lambda: free.dispatch(x, idx, w, expand=True, expert_alignment=128)
+    attempt("dispatch_expanded", "lck_nvshmem_sync_free", label, expanded, sent)
+    attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
+    attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
+    # The same bytes as one copy_ into the next PE's workspace (and, for scale, within this PE).
+    n = int(sent) // 2
+    src = torch.randn(n, generator=g).to(torch.bfloat16).to(dev)
+    peer = L.moe_context(group).peer_workspace((rank + 1) % world)[: 2 * n].view(torch.bfloat16)
+    local = torch.empty_like(src)
+    attempt("copy", "copy_peer", label, lambda: peer.copy_(src), sent)
+    attempt("copy", "copy_local", label, lambda: local.copy_(src), sent)
+    if with_reference:
+        cpu = Buffer(group, tokens, hidden, k, e, device="cpu", backend="reference")
+        xc, ic, wc = x.cpu(), idx.cpu(), w.cpu()
+        dc = cpu.dispatch(xc, ic, wc)
+        attempt("dispatch", "lck_reference_gloo_cpu", label, lambda: cpu.dispatch(xc, ic, wc), sent, False)
+        attempt(
+            "combine", "lck_reference_gloo_cpu", label, lambda: cpu.combine(dc.recv_x, dc.handle), sent, False
+        )
+
+
+def merge(per_rank: list[list[dict[str, Any]]], world: int) -> list[Any]:
+    """One Record per (bench, provider, shape): medians over PEs of each PE's median; GB/s from bytes."""
+    from lck_runtime.benchmarking import Record
+
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        recs = [r[i] for r in per_rank]
+        rec = Record(first["bench"], first["provider"], "fwd", first["shape"], "bfloat16")
+        errors = [r.get("error") for r in recs if r.get("error")]
+        if errors:
+            rec.error = errors[0]
+            out.append(rec)
+            continue
+        for key in ("median_ms", "p20_ms", "p80_ms"):
+            setattr(rec, key, statistics.median(r["summary"][key] for r in recs))
+        rec.extra["world"] = world
+        rec.extra["per_rank_median_ms"] = [r["summary"]["median_ms"] for r in recs]
+        for key in ("host_ms", "loop_ms"):
+            vals = [r.get(key) for r in recs if r.get(key) is not None]
+            if vals:
+                rec.extra[key] = statistics.median(vals)
+        sent = statistics.median(r["bytes"] for r in recs)
+        rec.extra["sent_mb_per_rank"] = sent / 1e6
+        if rec.median_ms:
+            rec.extra["gb_per_s"] = sent / (rec.median_ms * 1e-3) / 1e9
+        if rec.extra.get("loop_ms"):
+            rec.extra["loop_gb_per_s"] = sent / (rec.extra["loop_ms"] * 1e-3) / 1e9
+        out.append(rec)
+    # Each kernel row against the peer copy of the same bytes on the same shape.
+    floor = {r.shape: r.extra.get("gb_per_s") for r in out if r.provider == "copy_peer"}
+    for r in out:
+        if r.provider.startswith("lck_nvshmem") and floor.get(r.shape) and r.extra.get("gb_per_s"):
+            r.extra["of_copy_peer"] = r.extra["gb_per_s"] / floor[r.shape]
+    return out
+
+
+def main_native(args: Any) -> int:
+    """Run ``bench_rank`` on ``args.pes`` PEs and write ``<gpu>-pes<N>-<date>-ep-native.{json,csv,png}``."""
+    import datetime as _dt
+    import sys
+    import time
+
+    import torch
+
+    from lck_runtime.benchmarking import bar_plot, gpu_slug, write_results
+    from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, run_workers, shared_gpu_env
+
+    if not torch.cuda.is_available() or not 2 <= args.pes <= 64:
+        print("lck bench ep --pes N: needs a CUDA GPU and 2 <= N <= 64", file=sys.stderr)
+        return 2
+    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
+    if torch.cuda.device_count() < args.pes:
+        env.update(shared_gpu_env(args.pes, torch.cuda.device_count()))
+    iters = args.iters or (10 if args.quick else 30)
+    t0 = time.monotonic()
+    per_rank = run_workers(
+        bench_rank,
+        args.pes,
+        iters,
+        not args.no_reference,
+        backend="gloo",
+        timeout=3000,
+        env=env,
+    )
+    records = merge(per_rank, args.pes)
+    slug = gpu_slug()
+    stem = f"{slug}-pes{args.pes}-{_dt.date.today().isoformat()}-ep-native"
+    paths = write_results(
+        records,
+        args.out,
+        stem,
+        meta={
+            "pes": args.pes,
+            "gpus": torch.cuda.device_count(),
+            "iters": iters,
+            "shapes": SHAPES,
+            "seconds": round(time.monotonic() - t0, 1),
+            "env": {k: v for k, v in env.items() if k.startswith(("EP_", "NVSHMEM_", "CUDA_"))},
+        },
+        plot=lambda recs, path: bar_plot(
+            [r for r in recs if r.error is None and not r.provider.startswith("lck_reference")],
+            path,
+            title=f"lck-ep native backend, {args.pes} PEs on {torch.cuda.device_count()} x {slug}",
+        ),
+    )
+    print(
+        f"{'bench':<18}{'provider':<24}{'shape':<36}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}{'of copy':>9}"
+    )
+    for r in records:
+        if r.error:
+            print(f"{r.bench:<18}{r.provider:<24}{r.shape:<36}  {r.error}")
+            continue
+        e = r.extra
+        host = f"{e['host_ms']:9.3f}" if e.get("host_ms") is not None else f"{'':>9}"
+        loop = f"{e['loop_ms']:9.3f}" if e.get("loop_ms") is not None else f"{'':>9}"
+        frac = f"{e['of_copy_peer']:9.2f}" if e.get("of_copy_peer") is not None else f"{'':>9}"
+        print(
+            f"{r.bench:<18}{r.provider:<24}{r.shape:<36}{r.median_ms:9.3f}{host}{loop}{e.get('gb_per_s', 0):8.1f}{frac}"
+        )
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0 if not any(r.error for r in records) else 1
