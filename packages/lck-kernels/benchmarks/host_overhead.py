@@ -62,9 +62,10 @@ def _breakdown() -> list[dict]:
     from torch._library.triton import set_wrap_triton_enabled
 
     from lck_kernels import _common, swiglu_packed
-    from lck_kernels.swiglu import _swiglu_fwd_kernel, launch_fwd
+    from lck_kernels.swiglu.kernels import _swiglu_fwd_kernel
+    from lck_kernels.swiglu.launch import launch_fwd
 
-    sp = importlib.import_module("lck_kernels.swiglu_packed")
+    sp = importlib.import_module("lck_kernels.swiglu.ops")
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     yd = y.detach()
     dout = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)

@@ -154,7 +154,7 @@ def _sweep_fwd_grad(
         return (_best(sweep, kernel) or [{}])[0]
     # The CUDA cluster kernel (one read of each row, kept in shared memory): blocks per row and threads per
     # block. 8 blocks of 512 threads fit two blocks per SM; 4 blocks use 128 KiB of shared memory, one per SM.
-    from lck_kernels import _cross_entropy_cuda
+    from lck_kernels.cross_entropy import cuda as _cross_entropy_cuda
 
     for p in _grid(cluster=(4, 8), threads=(1024, 512, 256)):
         sweep.run(kernel, {"cuda": 1, **p}, grad_fn, 2 * nbytes, copy_rate, check=check)
@@ -208,7 +208,7 @@ def _time_cross_entropy(sweep: Sweep, best_grad: dict, logits, target) -> None:
 
 def _sweep_fwd_and_bwd(sweep: Sweep, copy_rate: float, logits, target) -> dict[str, dict]:
     import lck_kernels.cross_entropy  # noqa: F401  (registers torch.ops.lck.cross_entropy_*)
-    from lck_kernels._cross_entropy_launch import CEOptions, launch_bwd, launch_reduction
+    from lck_kernels.cross_entropy.launch import CEOptions, launch_bwd, launch_reduction
 
     nbytes = logits.numel() * logits.element_size()
     fwd_op = torch.ops.lck.cross_entropy_fwd
@@ -237,8 +237,8 @@ def _sweep_fwd_and_bwd(sweep: Sweep, copy_rate: float, logits, target) -> dict[s
 def _flce_breakdown(sweep: Sweep, copy_rate: float, x, w, target, best_grad: dict) -> None:
     """Each piece of one chunk of the gradients-in-the-forward schedule, timed alone."""
     from lck_kernels._common import tuning
-    from lck_kernels._cross_entropy_launch import CEOptions, launch_fwd, launch_reduction
-    from lck_kernels._linear_cross_entropy import plan_chunk_tokens
+    from lck_kernels.cross_entropy.launch import CEOptions, launch_fwd, launch_reduction
+    from lck_kernels.linear_cross_entropy import plan_chunk_tokens
 
     chunk = plan_chunk_tokens(N, V, 2)
     n_chunks = -(-N // chunk)
@@ -301,7 +301,7 @@ def _flce_breakdown(sweep: Sweep, copy_rate: float, x, w, target, best_grad: dic
 
 def _sweep_flce(sweep: Sweep, best_grad: dict, x, w, target) -> int:
     from lck_kernels._common import tuning
-    from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from lck_kernels.linear_cross_entropy import fused_linear_cross_entropy
 
     print("3b. fused linear cross entropy fwd+bwd by chunk budget and overlap", flush=True)
     best_overlap, best_ms, ref_sample = 0, float("inf"), None
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     logits, target = _ce_inputs()
     best.update(_sweep_fwd_and_bwd(sweep, copy_rate, logits, target))
-    print("\nbest overrides (copy into lck_kernels._cross_entropy_kernels._DEFAULTS):")
+    print("\nbest overrides (copy into lck_kernels.cross_entropy.kernels._DEFAULTS):")
     for kernel, params in best.items():
         print(f"  {kernel!r}: {params}")
     print(f"fused linear cross entropy at 512 MiB: overlap={overlap} was faster")

@@ -20,9 +20,10 @@ from collections.abc import Callable
 import torch
 
 from lck_kernels._common import tuning
-from lck_kernels.rms_norm import bwd_config, fwd_config, rms_norm
-from lck_kernels.swiglu import elementwise_config
-from lck_kernels.swiglu_packed import swiglu_packed
+from lck_kernels.rms_norm import rms_norm
+from lck_kernels.rms_norm.launch import bwd_config, fwd_config
+from lck_kernels.swiglu import swiglu_packed
+from lck_kernels.swiglu.launch import elementwise_config
 from lck_runtime.benchmarking import time_cuda
 
 HBM_GBPS = 4247.0  # H200 device-to-device copy rate (FACTS.md)

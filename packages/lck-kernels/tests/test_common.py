@@ -112,8 +112,7 @@ def test_num_sms_on_cpu():
 
 def test_registered_ops():
     import lck_kernels.rms_norm
-    import lck_kernels.swiglu
-    import lck_kernels.swiglu_packed  # noqa: F401
+    import lck_kernels.swiglu  # noqa: F401
 
     for name in (
         "rms_norm_fwd",

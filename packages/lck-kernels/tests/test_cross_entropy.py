@@ -20,8 +20,8 @@ from _device import DEVICE, gpu, needs_triton_device
 from _tolerances import TOL, assert_close, poison
 
 from lck_kernels._common import interpreting, num_sms, tuning
-from lck_kernels._cross_entropy_kernels import ce_launch_config
 from lck_kernels.cross_entropy import LckCrossEntropyLoss, cross_entropy
+from lck_kernels.cross_entropy.launch import ce_launch_config
 
 pytestmark = needs_triton_device
 
@@ -344,8 +344,8 @@ def test_split_launch_config():
 def test_split_kernel_gives_up_instead_of_hanging():
     """Phase 0 (the GPU form) in the interpreter: program 0 waits for partners that run only after it. It must
     give up after MAX_SPIN polls, raise the abort flag, and leave NaN, not hang; later waits end at once."""
-    from lck_kernels._cross_entropy_launch import CEOptions, launch_reduction
-    from lck_kernels._cross_entropy_split import _ce_fwd_split_kernel
+    from lck_kernels.cross_entropy.launch import CEOptions, launch_reduction
+    from lck_kernels.cross_entropy.split import _ce_fwd_split_kernel
 
     n, v, split = 3, 256, 4
     logits, target = make_case(n, v, torch.float32, seed=24, ignore_every=0)
@@ -497,7 +497,7 @@ def test_rescale_of_the_forward_gradient_is_exact_every_call(shape, per_row):
     ``grad_output``): every element must be the product rounded once. On an H200 at 8192 × 128256 the first
     form of the kernel left one warp's share of a late row unscaled in 17 of 300 calls (its warps read
     ``applied`` after one of them had updated it), so the GPU case repeats the call 100 times."""
-    from lck_kernels._cross_entropy_ops import cross_entropy_rescale_
+    from lck_kernels.cross_entropy.ops import cross_entropy_rescale_
 
     n, v = shape
     reps = 100 if DEVICE == "cuda" else 2
@@ -860,18 +860,18 @@ def compile_with_fp64_scalars(specs):
 _ALL_FLAGS = {"HAS_WEIGHT": True, "SMOOTH": True, "HAS_Z": True, "HAS_SOFTCAP": True, "EVICT": True}
 _CE_FP64_SPECS = [
     (
-        "lck_kernels._cross_entropy_kernels", "_ce_fwd_kernel", ["eps", "z_scale", "scale", "softcap"],
+        "lck_kernels.cross_entropy.kernels", "_ce_fwd_kernel", ["eps", "z_scale", "scale", "softcap"],
         {"BLOCK": 256, **_ALL_FLAGS, "ENTROPY": True, "GRAD": True, "NUM_STAGES": 1, "PREFETCH": True},
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
     ),
     (  # phase 0: both passes and the team's wait in one launch, as on a GPU
-        "lck_kernels._cross_entropy_split", "_ce_fwd_split_kernel", ["eps", "z_scale", "scale", "softcap"],
+        "lck_kernels.cross_entropy.split", "_ce_fwd_split_kernel", ["eps", "z_scale", "scale", "softcap"],
         {"BLOCK": 256, "SPLIT": 4, **_ALL_FLAGS, "ENTROPY": True, "NUM_STAGES": 1, "PREFETCH": True, "PHASE": 0,
          "MAX_SPIN": 1 << 24},
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64", "part_ptr": "*i64"},
     ),
     (
-        "lck_kernels._cross_entropy_kernels", "_ce_bwd_kernel", ["eps", "z_scale", "scale", "softcap"],
+        "lck_kernels.cross_entropy.kernels", "_ce_bwd_kernel", ["eps", "z_scale", "scale", "softcap"],
         {"BLOCK": 256, **_ALL_FLAGS, "HAS_G_LOSS": True, "HAS_G_LSE": True, "HAS_G_ENT": True, "NUM_STAGES": 1},
         {"x_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64"},
     ),

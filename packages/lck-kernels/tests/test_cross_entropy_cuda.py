@@ -14,10 +14,10 @@ import torch
 from _tolerances import assert_close, poison
 from test_cross_entropy import assert_close_on_device, check_against_reference, make_case, reference_chunks
 
-from lck_kernels import _cross_entropy_cuda as cc
-from lck_kernels import _cross_entropy_launch
 from lck_kernels._common import interpreting, tuning
 from lck_kernels.cross_entropy import cross_entropy
+from lck_kernels.cross_entropy import cuda as cc
+from lck_kernels.cross_entropy import launch as _cross_entropy_launch
 
 gpu = pytest.mark.gpu
 

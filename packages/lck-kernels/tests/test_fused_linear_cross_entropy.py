@@ -14,8 +14,13 @@ from _tolerances import assert_close, poison
 from test_cross_entropy import assert_close_on_device, reduction_scales, reference_rows
 
 from lck_kernels._common import interpreting, tuning
-from lck_kernels._linear_cross_entropy import CHUNK_ALIGN, DEFAULT_CHUNK_BYTES, plan_chunk_tokens
-from lck_kernels.fused_linear_cross_entropy import LckFusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from lck_kernels.linear_cross_entropy import (
+    CHUNK_ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    LckFusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    plan_chunk_tokens,
+)
 
 pytestmark = needs_triton_device
 

@@ -31,9 +31,9 @@ from test_cross_entropy import assert_close_on_device
 from test_fused_linear_cross_entropy import make_inputs, reference_linear
 
 from lck_kernels._common import interpreting
-from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from lck_kernels.fused_linear_scaled_cross_entropy import (
+from lck_kernels.linear_cross_entropy import (
     LckFusedLinearScaledCrossEntropy,
+    fused_linear_cross_entropy,
     fused_linear_scaled_cross_entropy,
 )
 
@@ -222,7 +222,7 @@ def test_matches_float64_reference(reduction, entropy, inverse_temperature, pois
 
 def _count_logits_gemms(monkeypatch) -> list[int]:
     """Count the chunk logits GEMMs (``x·Wᵀ``) the engine runs: the schedule, seen from outside."""
-    import lck_kernels._linear_cross_entropy_chunks as chunks
+    import lck_kernels.linear_cross_entropy.launch as chunks
 
     calls, real = [0], chunks._logits
 

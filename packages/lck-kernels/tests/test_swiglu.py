@@ -14,7 +14,7 @@ from _tolerances import assert_close, poison
 
 from lck_kernels import LckSwiGLUMLP, swiglu
 from lck_kernels._common import interpreting, tuning
-from lck_kernels.swiglu import elementwise_config
+from lck_kernels.swiglu.launch import elementwise_config
 
 pytestmark = needs_triton_device
 

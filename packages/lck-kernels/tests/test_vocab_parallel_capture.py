@@ -22,8 +22,8 @@ import torch
 from _graphs import capture
 from _tp_helpers import GPU_ENV, INTERPRET, _expect_error, _section, _sections, cpu_variant, run_cpu_world
 
-from lck_kernels import _vocab_parallel_capture as vp_capture
-from lck_kernels._vocab_parallel_digest import TARGET_FIELDS, TARGET_LIMBS, target_digest, target_verdict
+from lck_kernels.vocab_parallel import capture as vp_capture
+from lck_kernels.vocab_parallel.digest import TARGET_FIELDS, TARGET_LIMBS, target_digest, target_verdict
 from lck_runtime.testing import run_workers
 
 IGNORE = -100

@@ -254,7 +254,8 @@ def _compile_cases(group) -> None:
     import torch.distributed as dist
 
     from lck_kernels import vocab_parallel_cross_entropy as ce
-    from lck_kernels.vocab_parallel_cross_entropy import LckVocabParallelCrossEntropy, _vp_cross_entropy_fwd
+    from lck_kernels.vocab_parallel import LckVocabParallelCrossEntropy
+    from lck_kernels.vocab_parallel.ops import _vp_cross_entropy_fwd
 
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(50)
@@ -551,7 +552,7 @@ def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
 # Inductor's fp64 float scalars (no processes, no GPU: see test_cross_entropy.compile_with_fp64_scalars)
 # ---------------------------------------------------------------------------------------------------------
 
-_VP = "lck_kernels._vocab_parallel_kernels"
+_VP = "lck_kernels.vocab_parallel.kernels"
 _VP_POINTERS = {"z_ptr": "*bf16", "dz_ptr": "*bf16", "target_ptr": "*i64"}
 _VP_FP64_SPECS = [
     (

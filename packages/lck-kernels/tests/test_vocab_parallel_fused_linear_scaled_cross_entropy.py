@@ -414,10 +414,8 @@ def _compile_cases(group) -> None:
     import torch.distributed as dist
 
     from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
-    from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import (
-        LckVocabParallelFusedLinearScaledCrossEntropy,
-        _vp_flsce_fwd,
-    )
+    from lck_kernels.vocab_parallel import LckVocabParallelFusedLinearScaledCrossEntropy
+    from lck_kernels.vocab_parallel.flsce_ops import _vp_flsce_fwd
 
     rank = dist.get_rank(group)
     gen = torch.Generator().manual_seed(70)
@@ -519,7 +517,7 @@ def test_compile_fullgraph_opcheck_and_module(world2) -> None:
 
 
 def test_chunk_rows() -> None:
-    from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import chunk_rows
+    from lck_kernels.vocab_parallel import chunk_rows
 
     assert chunk_rows(8192, 64128, 2, 256 << 20) == 2048  # 2093 rows fit; whole 256-row tiles
     assert chunk_rows(100, 64128, 2, 256 << 20) == 100

@@ -8,24 +8,22 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-# Submodules share their op's name (`lck_kernels.rms_norm` holds `rms_norm`): the imports below bind
-# the functions after the submodules, so the package attribute is the function, not the module.
+# One subpackage per op family (rms_norm/, swiglu/, cross_entropy/, linear_cross_entropy/, vocab_parallel/).
+# Two of them share their op's name (`lck_kernels.rms_norm` holds `rms_norm`): the imports below bind the
+# functions after the subpackages, so the package attribute is the function, not the subpackage.
 from lck_kernels.cross_entropy import LckCrossEntropyLoss, cross_entropy
-from lck_kernels.fused_linear_cross_entropy import LckFusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from lck_kernels.fused_linear_scaled_cross_entropy import (
+from lck_kernels.linear_cross_entropy import (
+    LckFusedLinearCrossEntropyLoss,
     LckFusedLinearScaledCrossEntropy,
+    fused_linear_cross_entropy,
     fused_linear_scaled_cross_entropy,
 )
 from lck_kernels.rms_norm import LckRMSNorm, rms_norm
-from lck_kernels.swiglu import swiglu
-from lck_kernels.swiglu_mlp import LckSwiGLUMLP
-from lck_kernels.swiglu_packed import LckSwiGLUPacked, swiglu_packed
-from lck_kernels.vocab_parallel_cross_entropy import (
+from lck_kernels.swiglu import LckSwiGLUMLP, LckSwiGLUPacked, swiglu, swiglu_packed
+from lck_kernels.vocab_parallel import (
     LckVocabParallelCrossEntropy,
-    vocab_parallel_cross_entropy,
-)
-from lck_kernels.vocab_parallel_fused_linear_scaled_cross_entropy import (
     LckVocabParallelFusedLinearScaledCrossEntropy,
+    vocab_parallel_cross_entropy,
     vocab_parallel_fused_linear_scaled_cross_entropy,
 )
 

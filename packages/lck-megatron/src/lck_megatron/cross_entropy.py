@@ -123,7 +123,7 @@ class LckVocabParallelCrossEntropy:
 
             loss = cross_entropy(flat_logits, flat_target, label_smoothing=smoothing, reduction="none")
         else:
-            from lck_kernels.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+            from lck_kernels.vocab_parallel import vocab_parallel_cross_entropy
 
             loss = vocab_parallel_cross_entropy(
                 flat_logits, flat_target, group, label_smoothing=smoothing, reduction="none"

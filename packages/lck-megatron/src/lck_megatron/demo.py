@@ -28,7 +28,6 @@ from lck_megatron._demo_report import _plot, _report, _tolerance
 _KERNEL_MODULES = (
     "lck_kernels.rms_norm",
     "lck_kernels.swiglu",
-    "lck_kernels.swiglu_packed",
     "lck_kernels.cross_entropy",
 )
 

@@ -145,9 +145,8 @@ class LckMegatronSwiGLU(nn.Module):
         if reason is not None:
             return self._fall_back(reason, input, bias, fp8_input_store, cpu_offload_input, args, kwargs)
 
-        # Lazy (importing lck_megatron must not import Triton), and from the submodule: once imported,
-        # `lck_kernels.swiglu_packed` the package attribute is that submodule, not the function.
-        from lck_kernels.swiglu_packed import swiglu_packed
+        # Lazy: importing lck_megatron must not import Triton.
+        from lck_kernels.swiglu import swiglu_packed
 
         if not torch.compiler.is_compiling():
             self.calls["lck"] += 1

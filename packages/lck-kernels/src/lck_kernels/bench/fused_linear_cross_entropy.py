@@ -43,7 +43,7 @@ def _closures(loss_fn, inputs: dict[str, Any]):
 
 
 def _providers() -> dict[str, Any]:
-    from lck_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from lck_kernels.linear_cross_entropy import fused_linear_cross_entropy
 
     providers = {
         "lck": lambda inp: _closures(fused_linear_cross_entropy, inp),

@@ -45,7 +45,7 @@ def _closures(fn, inputs: dict[str, Any], names: tuple[str, ...]):
 
 
 def _packed_providers() -> dict[str, Any]:
-    from lck_kernels.swiglu_packed import swiglu_packed
+    from lck_kernels.swiglu import swiglu_packed
 
     def wrap(fn):
         return lambda inp: _closures(fn, inp, ("y",))

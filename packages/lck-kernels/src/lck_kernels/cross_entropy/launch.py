@@ -1,4 +1,4 @@
-"""Launchers for the cross-entropy row kernels (``_cross_entropy_kernels``), shared by the three ops.
+"""Launch configuration and launchers of the cross-entropy row kernels (``kernels.py``), shared by the three ops.
 
 Each launcher takes preallocated outputs (so the fused linear ops can write one chunk of rows into slices of
 whole-batch buffers) and ``wrap``: True inside a ``triton_op`` body, where kernels must be launched through
@@ -9,14 +9,67 @@ Nothing here validates user input: the public functions do that before any launc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 
-from lck_kernels import _cross_entropy_kernels as k
-from lck_kernels._common import interpreting, launcher, num_sms
-from lck_kernels._cross_entropy_cuda import try_launch
-from lck_kernels._cross_entropy_split import MAX_SPIN, _ce_fwd_split_kernel
+from lck_kernels._common import interpreting, launcher, next_power_of_2, num_sms, tuned
+from lck_kernels.cross_entropy import kernels as k
+from lck_kernels.cross_entropy.cuda import try_launch
+from lck_kernels.cross_entropy.kernels import _DEFAULTS
+from lck_kernels.cross_entropy.split import MAX_SPIN, _ce_fwd_split_kernel
+
+_ELEMENTS_PER_THREAD_FLOOR = 8  # fewer warps for short rows: at least this many elements per thread
+MAX_SPLIT = 8
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def ce_launch_config(
+    kernel: str, n_rows: int, n_cols: int, element_size: int, device: torch.device
+) -> dict[str, Any]:
+    """Tile width, warps, grid size and constexpr switches for one of the row kernels.
+
+    The tile is ``block_bytes`` of logits (so fp32 rows take half the elements of bf16 rows), capped by
+    the row length; warps shrink for short rows. The grid is ``programs_per_sm × SMs`` (a persistent grid) or one
+    program per row, never more programs than rows. With ``split`` > 1 (loss+gradient kernel only) each row
+    goes to a team of ``SPLIT`` consecutive programs (a power of two, at most the row's tiles and 8), each
+    owning ``CHUNK`` columns (whole tiles); the grid is a whole number of teams, at most one per row.
+    """
+    cfg = tuned(kernel, dict(_DEFAULTS[kernel]))
+    block = next_power_of_2(max(16, cfg["block_bytes"] // max(element_size, 1)))
+    block = min(block, max(16, next_power_of_2(n_cols)))
+    warps = next_power_of_2(max(1, min(cfg["warps"], block // (32 * _ELEMENTS_PER_THREAD_FLOOR))))
+    per_sm = cfg["programs_per_sm"]
+    sms = num_sms(device)
+    tiles = triton.cdiv(n_cols, block)
+    split = min(_floor_power_of_2(cfg.get("split", 1)), _floor_power_of_2(tiles), MAX_SPLIT)
+    split = min(split, _floor_power_of_2(sms))  # a team must fit the GPU at once
+    # sm_pct < 100 (persistent grids only): fewer programs than SMs, so fewer rows in flight between a tile's
+    # two reads (a smaller L2 working set) at the price of fewer SMs streaming.
+    pct = max(1, min(100, cfg.get("sm_pct", 100)))
+    teams = n_rows if per_sm <= 0 else min(n_rows, max(1, per_sm * sms * pct // 100 // split))
+    return {
+        "BLOCK": block,
+        "num_warps": warps,
+        "grid": (max(1, teams) * split,),
+        "EVICT": bool(cfg["evict"]),
+        "NUM_STAGES": max(1, cfg["stages"]),
+        "PREFETCH": max(0, min(2, int(cfg.get("prefetch", 0)))),
+        "SPLIT": split,
+        "CHUNK": triton.cdiv(tiles, split) * block,
+        "REVERSE": bool(cfg.get("reverse", 0)),
+        "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
+        "WARP_MAX": bool(cfg.get("warp_max", 0)),
+    }
+
+
+def rescale_grid(n: int, block: int, device: torch.device) -> tuple[int]:
+    """A persistent grid for the flat rescale: a few programs per SM, each striding over ``n``."""
+    return (max(1, min(triton.cdiv(n, block), 8 * num_sms(device))),)
 
 
 @dataclass(frozen=True)
@@ -103,7 +156,7 @@ def launch_fwd(
         ):  # fmt: skip
             return
     name = "cross_entropy_fwd_grad" if grad is not None else "cross_entropy_fwd"
-    cfg = k.ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
+    cfg = ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
     if grad is not None and cfg["SPLIT"] > 1:
         # One record of 8 int64 words per (row, team member), zero = not yet published, and an abort flag.
@@ -189,7 +242,7 @@ def launch_bwd(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = k.ce_launch_config("cross_entropy_bwd", n_rows, n_cols, logits.element_size(), logits.device)
+    cfg = ce_launch_config("cross_entropy_bwd", n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
     gl, gl_stride = _row_arg(g_loss, lse)
     gs, gs_stride = _row_arg(g_lse, lse)
@@ -254,7 +307,7 @@ def launch_rescale_flat(
     for t in tensors:
         if t.numel() == 0:
             continue
-        _kernel(k._rescale_kernel, wrap)[k.rescale_grid(t.numel(), block, t.device)](
+        _kernel(k._rescale_kernel, wrap)[rescale_grid(t.numel(), block, t.device)](
             t, t.numel(), triton.cdiv(t.numel(), block), factor, BLOCK=block, num_warps=8
         )
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lck_kernels import _vocab_parallel_capture as capture
-from lck_kernels import _vocab_parallel_digest as D
 from lck_kernels._common import check_tensor
+from lck_kernels.vocab_parallel import capture
+from lck_kernels.vocab_parallel import digest as D
 
 TARGET_DTYPES = (torch.int64, torch.int32)
 
@@ -213,7 +213,7 @@ def agree(
     mirror (the same errors on every rank, at capture time; the call's fields must also have been agreed
     eagerly before, on every rank), and the target checks run on the device at every replay: the return
     value is then a 0-D float32 tensor, 0.0 or NaN, for the op to add to its loss
-    (``_vocab_parallel_capture``).
+    (``capture.py``).
     """
     if len(fields) > N_FIELDS:
         raise AssertionError(f"{op}: {len(fields)} agreement fields > {N_FIELDS}")

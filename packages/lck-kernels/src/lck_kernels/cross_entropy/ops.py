@@ -1,21 +1,21 @@
-"""The ``torch.library`` ops behind ``cross_entropy``, and the input check they share with it.
+"""The ``torch.library`` ops behind ``cross_entropy``, and the ``torch.autograd.Function``s wiring them.
 
 Ops (``triton_op`` on GPUs, so ``torch.compile(fullgraph=True)`` traces into them): ``lck::cross_entropy_fwd``
 (loss, z-loss, lse and optionally the gradient), ``lck::cross_entropy_fwd_`` (gradient into the logits),
 ``lck::cross_entropy_rescale_`` (the sum/mean backward), ``lck::cross_entropy_bwd`` and
 ``lck::cross_entropy_bwd_`` (the ``none`` backward, into a new buffer or the logits).
 
-Every op validates its inputs before it launches anything (through ``_cross_entropy_launch``);
-``cross_entropy`` runs the same ``check_cross_entropy_inputs`` before autograd.
+Every op validates its inputs before it launches anything; ``cross_entropy`` runs the same
+``check_cross_entropy_inputs`` before autograd. The ``torch.autograd.Function``s wiring the ops are at the end.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import check_same_device, check_tensor, define_op
-from lck_kernels._cross_entropy_checks import check_class_weight, check_loss_options, check_target
-from lck_kernels._cross_entropy_launch import (
+from lck_kernels._common import check_tensor, define_op
+from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, unpack_saved_gradient
+from lck_kernels.cross_entropy.launch import (
     CEOptions,
     finalize_loss,
     launch_bwd,
@@ -23,38 +23,6 @@ from lck_kernels._cross_entropy_launch import (
     launch_reduction,
     launch_rescale_rows,
 )
-
-# ---------------------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------------------
-
-
-def check_cross_entropy_inputs(
-    op: str,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float | None,
-    reduction: str,
-) -> None:
-    check_tensor(op, "logits", logits, ndim=2, last_dim_contiguous=True)
-    if logits.shape[1] == 0:
-        raise ValueError(f"{op}: logits has shape {tuple(logits.shape)}; expected at least one class")
-    check_target(op, target, logits.shape[0], expected="logits")
-    check_same_device(op, logits=logits, target=target)
-    check_class_weight(op, "weight", weight, logits.shape[1], logits)
-    check_loss_options(
-        op,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        reduction=reduction,
-    )
-
 
 # ---------------------------------------------------------------------------------------------------------
 # torch.library ops
@@ -280,3 +248,66 @@ def _bwd_inplace_fake(
 cross_entropy_bwd_ = define_op(
     "lck::cross_entropy_bwd_", _bwd_inplace_impl, mutates_args=("logits",), fake=_bwd_inplace_fake
 )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autograd, functional API, module
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """sum/mean: the forward computes loss and gradient; the backward rescales the gradient in place."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits,
+        target,
+        weight,
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction,
+        in_place,
+    ):
+        args = (logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+        if in_place:
+            loss, z, _, applied = cross_entropy_fwd_(*args)
+            grad = logits
+        else:
+            loss, z, _, grad, applied = cross_entropy_fwd(*args, True)
+        ctx.save_for_backward(grad, applied)
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z):
+        grad, applied = unpack_saved_gradient(ctx, "cross_entropy")
+        cross_entropy_rescale_(grad, applied, grad_loss)
+        return grad, None, None, None, None, None, None, None, None
+
+
+class CrossEntropyRowsFunction(torch.autograd.Function):
+    """none: the forward keeps each row's lse; the backward writes the gradient (into the logits if asked)."""
+
+    @staticmethod
+    def forward(
+        ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, in_place
+    ):
+        options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+        loss, z, lse, _, _ = cross_entropy_fwd(logits, target, weight, *options, "none", False)
+        ctx.save_for_backward(logits, target, weight, lse)
+        ctx.options, ctx.in_place = options, in_place
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z):
+        logits, target, weight, lse = unpack_saved_gradient(ctx, "cross_entropy")
+        if ctx.in_place:
+            cross_entropy_bwd_(logits, target, weight, lse, grad_loss, *ctx.options)
+            grad = logits
+        else:
+            grad = cross_entropy_bwd(logits, target, weight, lse, grad_loss, *ctx.options)
+        return grad, None, None, None, None, None, None, None

@@ -38,85 +38,18 @@ mode; under ``torch.compile`` it stays correct, but functionalisation may copy t
 not guaranteed there. A second backward over a retained graph raises where a saved buffer is updated in
 place (sum/mean, or ``in_place=True``).
 
-The ``torch.library`` ops (``lck::cross_entropy_*``) and the input check live in ``_cross_entropy_ops``;
-this module wires them into autograd and holds ``cross_entropy`` and ``LckCrossEntropyLoss``.
+The family's files: ``kernels.py``, ``rows.py`` and ``split.py`` (Triton), ``cuda.py`` (the opt-in CUDA
+cluster kernel), ``launch.py`` (launch configuration and launchers), ``checks.py``, ``ops.py`` (the
+``torch.library`` ops ``lck::cross_entropy_*`` and the autograd wiring); this module holds ``cross_entropy``
+and ``LckCrossEntropyLoss``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lck_kernels._cross_entropy_checks import check_loss_options, unpack_saved_gradient
-from lck_kernels._cross_entropy_ops import (
-    check_cross_entropy_inputs,
-    cross_entropy_bwd,
-    cross_entropy_bwd_,
-    cross_entropy_fwd,
-    cross_entropy_fwd_,
-    cross_entropy_rescale_,
-)
-
-# ---------------------------------------------------------------------------------------------------------
-# Autograd, functional API, module
-# ---------------------------------------------------------------------------------------------------------
-
-
-class CrossEntropyFunction(torch.autograd.Function):
-    """sum/mean: the forward computes loss and gradient; the backward rescales the gradient in place."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        logits,
-        target,
-        weight,
-        ignore_index,
-        label_smoothing,
-        lse_square_scale,
-        softcap,
-        reduction,
-        in_place,
-    ):
-        args = (logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
-        if in_place:
-            loss, z, _, applied = cross_entropy_fwd_(*args)
-            grad = logits
-        else:
-            loss, z, _, grad, applied = cross_entropy_fwd(*args, True)
-        ctx.save_for_backward(grad, applied)
-        ctx.mark_non_differentiable(z)
-        return loss, z
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_z):
-        grad, applied = unpack_saved_gradient(ctx, "cross_entropy")
-        cross_entropy_rescale_(grad, applied, grad_loss)
-        return grad, None, None, None, None, None, None, None, None
-
-
-class CrossEntropyRowsFunction(torch.autograd.Function):
-    """none: the forward keeps each row's lse; the backward writes the gradient (into the logits if asked)."""
-
-    @staticmethod
-    def forward(
-        ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, in_place
-    ):
-        options = (ignore_index, label_smoothing, lse_square_scale, softcap)
-        loss, z, lse, _, _ = cross_entropy_fwd(logits, target, weight, *options, "none", False)
-        ctx.save_for_backward(logits, target, weight, lse)
-        ctx.options, ctx.in_place = options, in_place
-        ctx.mark_non_differentiable(z)
-        return loss, z
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_z):
-        logits, target, weight, lse = unpack_saved_gradient(ctx, "cross_entropy")
-        if ctx.in_place:
-            cross_entropy_bwd_(logits, target, weight, lse, grad_loss, *ctx.options)
-            grad = logits
-        else:
-            grad = cross_entropy_bwd(logits, target, weight, lse, grad_loss, *ctx.options)
-        return grad, None, None, None, None, None, None, None
+from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, check_loss_options
+from lck_kernels.cross_entropy.ops import CrossEntropyFunction, CrossEntropyRowsFunction, cross_entropy_fwd
 
 
 def cross_entropy(

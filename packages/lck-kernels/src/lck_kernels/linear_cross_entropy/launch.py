@@ -2,7 +2,7 @@
 
 Logits ``x·Wᵀ (+ b)`` exist one chunk of tokens at a time, in one reused ``[chunk, vocab]`` buffer in ``x``'s
 dtype (cuBLAS: bf16/fp16 in, fp32 accumulation, rounded once on output). The cross-entropy row kernels of
-``_cross_entropy_kernels`` read that buffer and overwrite it with ``∂L/∂logits``, which then feeds the two
+``lck_kernels.cross_entropy`` read that buffer and overwrite it with ``∂L/∂logits``, which then feeds the two
 gradient GEMMs. Two schedules:
 
 - **gradients in the forward** (``forward_with_grads``; reductions ``sum``/``mean``): per chunk, logits →
@@ -28,7 +28,7 @@ below peak.
 Both schedules run their chunks through ``run_chunks``, which can also (tuning knob ``overlap``) put each
 chunk's row pass on a side stream between the GEMMs of the neighbouring chunks.
 
-The recompute schedule's ops and its ``torch.autograd.Function`` are in ``_linear_cross_entropy``.
+The ops and their ``torch.autograd.Function``s are in ``ops.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import cdiv, tuned
-from lck_kernels._cross_entropy_launch import (
+from lck_kernels.cross_entropy.launch import (
     CEOptions,
     finalize_loss,
     launch_bwd,

@@ -2,11 +2,11 @@
 build through the runtime JIT, and its launch.
 
 The Triton loss+gradient kernel reads each row twice; on an H200 at 8192 × 128256 bf16 the second read
-misses L2 (see ``_cross_entropy_kernels``), so the kernel moves three passes of HBM traffic. The cluster
+misses L2 (see ``kernels.py``), so the kernel moves three passes of HBM traffic. The cluster
 kernel keeps each row in shared memory, split over the blocks of a thread-block cluster, and moves two.
 Measured on an H200 it is nevertheless slower (1.64 ms against 1.43 ms; ``benchmarks/results/README.md``),
 so it is opt-in: ``tuning("cross_entropy_fwd_grad", cuda=1)`` (the default is in
-``_cross_entropy_kernels._DEFAULTS``). ``launch_fwd`` then tries it first for the loss+gradient forward; it
+``kernels._DEFAULTS``). ``launch_fwd`` then tries it first for the loss+gradient forward; it
 applies to eager calls (not while ``torch.compile`` or another tracer is looking: those see the Triton
 kernels) on sm_90/sm_100 GPUs, for bf16/fp16/fp32 rows of at least ``MIN_ROW_BYTES`` with 16-byte aligned
 rows, without class weights or the entropy output. ``LCK_KERNELS_CUDA=0`` turns it off whatever the tuning.
@@ -56,7 +56,7 @@ def _direct(*tensors: torch.Tensor) -> bool:
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict[str, int] | None:
     """Cluster size, threads per block and 16-byte vectors per thread for these rows, or None when the
     kernel does not apply (tuning keys of ``cross_entropy_fwd_grad``: ``cuda``, ``cluster``, ``threads``)."""
-    from lck_kernels._cross_entropy_kernels import _DEFAULTS
+    from lck_kernels.cross_entropy.kernels import _DEFAULTS
 
     cfg = tuned("cross_entropy_fwd_grad", dict(_DEFAULTS["cross_entropy_fwd_grad"]))
     if not cfg["cuda"] or dtype not in _DTYPE_CODE or n_rows == 0:

@@ -14,7 +14,7 @@ fault) gives up after ``MAX_SPIN`` polls, raises an abort flag that ends every o
 for its rows instead of hanging. The interpreter runs programs one after another, so there the kernel runs
 as two launches: ``PHASE`` 1 (statistics and records) then ``PHASE`` 2 (merge and gradient); on a GPU
 ``PHASE`` 0 does both in one launch. Measured slower than one program per row on an H200 (see
-``_cross_entropy_kernels._DEFAULTS``), so it is off by default.
+``kernels._DEFAULTS``), so it is off by default.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lck_kernels._cross_entropy_rows import (
+from lck_kernels.cross_entropy.rows import (
     _ce_coefficients,
     _ce_row_grad,
     _ce_row_stats,

@@ -1,6 +1,6 @@
 """The vocabulary-parallel ops' call agreement inside a CUDA graph.
 
-Eagerly, ``_vocab_parallel_group.agree`` gathers every rank's shapes, options and target digest and reads
+Eagerly, ``group.agree`` gathers every rank's shapes, options and target digest and reads
 them back to the host, so that a mismatch raises the same error on every rank. A CUDA graph cannot hold a
 host read, and a replay reuses the captured shapes and options but not the captured targets. So:
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lck_kernels import _vocab_parallel_digest as D
+from lck_kernels.vocab_parallel import digest as D
 from lck_runtime.capture import capturing as capturing  # the group looks it up here; tests patch it
 from lck_runtime.capture import host_group
 

@@ -3,17 +3,18 @@
 ``lck::vp_flsce_fwd`` (chunked forward; with a reduction and a gradient needed, also the gradient of the
 reduced NLL), ``lck::vp_flsce_bwd`` (recomputing backward for per-token upstream gradients) and
 ``lck::vp_scale_`` (in-place scale of a gradient prepared in the forward), each with its fake, plus the
-chunk size and per-chunk pieces they share. The autograd wiring is in the public module.
+chunk size and per-chunk pieces they share; at the end, the autograd wiring (``register_autograd``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lck_kernels import _vocab_parallel_kernels as K
 from lck_kernels._common import rows_view
-from lck_kernels._vocab_parallel_flsce_checks import OP, _agree_and_check, _check_vp_flsce_inputs
-from lck_kernels._vocab_parallel_group import TPGroup
+from lck_kernels.vocab_parallel import launch as K
+from lck_kernels.vocab_parallel.checks import FLSCE_OP as OP
+from lck_kernels.vocab_parallel.checks import _agree_and_check, _check_vp_flsce_inputs
+from lck_kernels.vocab_parallel.group import TPGroup
 
 
 def chunk_rows(tokens: int, local_vocab: int, element_size: int, chunk_bytes: int) -> int:
@@ -286,3 +287,52 @@ def _vp_scale_(t: torch.Tensor, s: torch.Tensor) -> None:
 @_vp_scale_.register_fake
 def _(t, s):
     return None
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, target, group_name, tau, ignore_index, chunk_bytes, grad_flags, reduction = inputs
+    _, lse, entropy, gx_pre, gw_pre = output
+    ctx.save_for_backward(x, weight, target, lse, entropy, gx_pre, gw_pre)
+    ctx.options = (group_name, tau, ignore_index, chunk_bytes)
+    ctx.reduction, ctx.grad_flags, ctx.ignore_index = reduction, grad_flags, ignore_index
+    ctx.mark_non_differentiable(gx_pre, gw_pre)
+    ctx.set_materialize_grads(False)  # an unused output (say, the entropy) costs nothing in backward
+
+
+def _scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``t · s`` for a gradient prepared in the forward. Eager: in place, with no pass when ``s == 1``
+    (decided on the device); a second backward through the graph then fails autograd's saved-tensor
+    version check instead of scaling twice. Traced (AOT autograd, torch.compile), where mutating a forward
+    output inside the backward graph cannot be partitioned: out of place."""
+    if type(t) is torch.Tensor and type(s) is torch.Tensor:
+        _vp_scale_(t, s)
+        return t
+    return t * s
+
+
+def _backward(ctx, grad_nll, grad_lse, grad_entropy, _gx_pre, _gw_pre):
+    x, weight, target, lse, entropy, gx_pre, gw_pre = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    nones = (None,) * 7
+    if not (need_x or need_w):
+        return (None, None, *nones)
+    gx = gw = None
+    if ctx.reduction != 0 and grad_nll is not None:
+        covered = (not need_x or ctx.grad_flags & 1) and (not need_w or ctx.grad_flags & 2)
+        if covered:  # the forward prepared d(reduced nll)/d(x, W): scale by the upstream scalar
+            gx = _scaled(gx_pre, grad_nll) if need_x else None
+            gw = _scaled(gw_pre, grad_nll) if need_w else None
+            grad_nll = None
+        else:  # not prepared for every input that needs it: recompute, per token
+            per_token = grad_nll if ctx.reduction == 1 else grad_nll / (target != ctx.ignore_index).sum()
+            grad_nll = per_token.expand(target.shape)
+    if grad_nll is not None or grad_lse is not None or grad_entropy is not None:
+        rx, rw = _vp_flsce_bwd(
+            grad_nll, grad_lse, grad_entropy, x, weight, target, lse, entropy, *ctx.options, need_x, need_w
+        )
+        gx = rx if gx is None else gx + rx
+        gw = rw if gw is None else gw + rw
+    return (gx if need_x else None), (gw if need_w else None), *nones
+
+
+_vp_flsce_fwd.register_autograd(_backward, setup_context=_setup_context)

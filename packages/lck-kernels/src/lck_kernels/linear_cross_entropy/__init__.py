@@ -1,6 +1,18 @@
-"""Fused linear *scaled* cross entropy (FLSCE): per-token NLL, log-sum-exp and entropy of tempered logits.
+"""Fused linear cross entropy: ``cross_entropy(x @ weight.T + bias, target)`` without ``[tokens, vocab]`` logits,
+and its scaled variant (FLSCE): per-token NLL, log-sum-exp and entropy of tempered logits.
 
-With ``z = inverse_temperature · (x @ weight.T (+ bias))`` over the vocabulary, per token::
+``fused_linear_cross_entropy``: the loss options and their semantics are those of
+:func:`lck_kernels.cross_entropy` (``class_weight`` is its ``weight``); the chunked schedules, the chunk
+budget and the precision choices are described in ``launch.py`` (the chunked engine). In short: for
+``reduction="sum"``/``"mean"`` every gradient is finished in the forward (three GEMMs per token) and the
+backward is a device-side rescale that costs one launch when the incoming gradient is 1; for
+``reduction="none"`` the forward keeps each token's log-sum-exp and the backward recomputes the logits (four
+GEMMs per token). Inputs that do not require grad skip their GEMMs; without any grad the forward is one GEMM
+per token. Extra memory is the logits chunk (``chunk_bytes``, default 512 MiB) plus ``[tokens]`` float32
+rows, at any token count.
+
+``fused_linear_scaled_cross_entropy``: with ``z = inverse_temperature · (x @ weight.T (+ bias))`` over the
+vocabulary, per token::
 
     nll = lse(z) − z[target]        lse = log Σ exp(z)        entropy = −Σ softmax(z)·log softmax(z)
                                                                      = lse − Σ softmax(z)·z
@@ -15,7 +27,7 @@ op, which computes the same values at one rank), float32, shaped like ``target``
 Every output is differentiable w.r.t. ``x``, ``weight`` (and ``bias``) with arbitrary per-token upstream
 gradients (advantages, masks, entropy coefficients): the backward computes, per token,
 ``∂/∂z = g_nll·(p − onehot) + g_lse·p + g_entropy·p·(E_p[z] − z)`` and multiplies by the inverse
-temperature. Two schedules of ``lck_kernels._linear_cross_entropy_chunks``, with the same chunk budget:
+temperature. The same two schedules, with the same chunk budget:
 
 - ``reduction="none"``, or no input needing a gradient: the per-token upstream gradients are known only in
   the backward, so the forward is one GEMM per token and the row statistics, and the backward recomputes
@@ -27,124 +39,180 @@ temperature. Two schedules of ``lck_kernels._linear_cross_entropy_chunks``, with
   recompute backward and added: three more GEMMs, so an objective that differentiates those outputs as
   well is cheaper with ``reduction="none"`` and the reduction done by the caller. The vocabulary-parallel
   op makes the same choice.
+
+The family's files: no Triton kernels of its own (the row kernels are those of ``lck_kernels.cross_entropy``);
+``launch.py`` (the chunked engine), ``checks.py``, ``ops.py`` (``torch.library`` ops and autograd); this module
+holds the functional API and the modules.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lck_kernels._cross_entropy_checks import (
+from lck_kernels.cross_entropy.checks import check_loss_options
+from lck_kernels.linear_cross_entropy.checks import (
     check_chunking,
     check_flag,
+    check_inverse_temperature,
     check_linear_inputs,
-    check_loss_options,
-    check_op_scalars,
     flatten_tokens,
-    unpack_saved_gradient,
 )
-from lck_kernels._cross_entropy_launch import CEOptions
-from lck_kernels._linear_cross_entropy import (
-    LinearCrossEntropyRecomputeFunction,
-    empty_grads,
-    forward_with_grads,
-    lce_bwd,
-    lce_stats,
+from lck_kernels.linear_cross_entropy.launch import (
+    CHUNK_ALIGN,
+    DEFAULT_CHUNK_BYTES,
     needs_grads,
     plan_chunk_tokens,
 )
-from lck_kernels.fused_linear_cross_entropy import _flce_rescale_
+from lck_kernels.linear_cross_entropy.ops import (
+    FusedLinearCrossEntropyFunction,
+    FusedLinearScaledCrossEntropyFunction,
+    LinearCrossEntropyRecomputeFunction,
+    lce_stats,
+)
 
 Tensor = torch.Tensor
 OP = "fused_linear_scaled_cross_entropy"
 
-
-def _check_inverse_temperature(op: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{op}: inverse_temperature must be a float, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{op}: inverse_temperature must be finite and > 0, got {value}")
-
+__all__ = [
+    "CHUNK_ALIGN",
+    "DEFAULT_CHUNK_BYTES",
+    "FusedLinearCrossEntropyFunction",
+    "FusedLinearScaledCrossEntropyFunction",
+    "LckFusedLinearCrossEntropyLoss",
+    "LckFusedLinearScaledCrossEntropy",
+    "LinearCrossEntropyRecomputeFunction",
+    "fused_linear_cross_entropy",
+    "fused_linear_scaled_cross_entropy",
+    "plan_chunk_tokens",
+]
 
 # ---------------------------------------------------------------------------------------------------------
-# Op and autograd: the reduced NLL's gradient finished in the forward
+# Functional API and module
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lck::fused_linear_scaled_cross_entropy_fwd", mutates_args=())
-def _flsce_fwd(
+def fused_linear_cross_entropy(
     x: Tensor,
     weight: Tensor,
     target: Tensor,
-    bias: Tensor | None,
-    ignore_index: int,
-    inverse_temperature: float,
-    reduction: str,
-    return_entropy: bool,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-    chunk_tokens: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(nll, lse, entropy, grad_x, grad_w, grad_b, applied) for reduction sum/mean: the reduced NLL and
-    the gradients of it; ``entropy`` is empty unless ``return_entropy``, unneeded gradients are empty."""
-    op = "lck::fused_linear_scaled_cross_entropy_fwd"
-    check_linear_inputs(op, x, weight, target, bias, None)
-    check_op_scalars(op, ignore_index, 0.0, 0.0, 0.0, reduction, chunk_tokens)
-    _check_inverse_temperature(op, inverse_temperature)
-    if reduction == "none":
-        raise ValueError(f"{op}: reduction='none' takes the recompute schedule (lck::linear_cross_entropy_*)")
-    opts = CEOptions(ignore_index, 0.0, 0.0, 0.0, inverse_temperature)
-    nll, _, lse, entropy, gx, gw, gb = forward_with_grads(
-        x, weight, target, bias, None, opts, reduction, need_x, need_w, need_b, chunk_tokens, return_entropy
+    bias: Tensor | None = None,
+    *,
+    class_weight: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    return_z_loss: bool = False,
+    chunk_bytes: int | None = None,
+    max_chunk_tokens: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``cross_entropy(x @ weight.T + bias, target, ...)`` computed chunk by chunk.
+
+    Args:
+        x: ``[..., hidden]`` float32/float16/bfloat16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``) whose
+            leading dimensions collapse into rows without a copy.
+        weight: ``[vocab, hidden]`` of ``x``'s dtype and device (any strides).
+        target: int64/int32 class indices of shape ``x.shape[:-1]``.
+        bias: optional ``[vocab]`` of ``x``'s dtype.
+        class_weight: optional ``[vocab]`` float class weights (``weight`` of ``F.cross_entropy``).
+        ignore_index, label_smoothing, lse_square_scale, softcap, reduction, return_z_loss: as in
+            :func:`lck_kernels.cross_entropy.cross_entropy`.
+        chunk_bytes: budget of the logits chunk buffer in bytes (default 512 MiB).
+        max_chunk_tokens: an upper bound on tokens per chunk (e.g. for tests or tuning).
+
+    Returns the loss in ``x.dtype`` (0-D, or ``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
+    Differentiable w.r.t. ``x``, ``weight`` and ``bias``. Raises ``TypeError``/``ValueError`` naming the
+    argument for a wrong dtype, device, shape, stride or option.
+    """
+    op = "fused_linear_cross_entropy"
+    x2, t1 = flatten_tokens(op, x, target)
+    check_linear_inputs(op, x2, weight, t1, bias, class_weight)
+    check_loss_options(
+        op,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
     )
-    return nll, lse, entropy, gx, gw, gb, torch.ones(1, dtype=torch.float32, device=x.device)
-
-
-@_flsce_fwd.register_fake
-def _(x, weight, target, bias, ignore_index, inv_t, reduction, return_entropy, need_x, need_w, need_b, chunk):
-    check_linear_inputs("lck::fused_linear_scaled_cross_entropy_fwd", x, weight, target, bias, None)
-    n = x.shape[0]
-    rows = x.new_empty((n,), dtype=torch.float32)
-    entropy = x.new_empty((n if return_entropy else 0,), dtype=torch.float32)
-    grads = empty_grads(x, weight, bias, need_x, need_w, need_b)
-    return x.new_empty((), dtype=torch.float32), rows, entropy, *grads, x.new_empty((1,), dtype=torch.float32)
-
-
-class FusedLinearScaledCrossEntropyFunction(torch.autograd.Function):
-    """Reduced NLL with its gradient finished in the forward; the backward scales it in place, and
-    recomputes the logits only for gradients that reach lse or entropy."""
-
-    @staticmethod
-    def forward(ctx, x, weight, target, bias, ii, inv_t, reduction, ent, nx, nw, nb, chunk):
-        nll, lse, entropy, gx, gw, gb, applied = _flsce_fwd(
-            x, weight, target, bias, ii, inv_t, reduction, ent, nx, nw, nb, chunk
+    check_chunking(op, chunk_bytes, max_chunk_tokens)
+    check_flag(op, "return_z_loss", return_z_loss)
+    chunk = plan_chunk_tokens(
+        x2.shape[0],
+        weight.shape[0],
+        x.element_size(),
+        chunk_bytes=chunk_bytes,
+        max_chunk_tokens=max_chunk_tokens,
+    )
+    options = (ignore_index, float(label_smoothing), float(lse_square_scale), float(softcap or 0.0))
+    nx, nw, nb = needs_grads(x, weight, bias)
+    if not (nx or nw or nb):
+        loss, z, _, _ = lce_stats(x2, weight, t1, bias, class_weight, *options, 1.0, reduction, False, chunk)
+    elif reduction == "none":
+        loss, z, _, _ = LinearCrossEntropyRecomputeFunction.apply(
+            x2, weight, t1, bias, class_weight, *options, 1.0, reduction, False, nx, nw, nb, chunk
         )
-        ctx.save_for_backward(x, weight, target, bias, lse, entropy, gx, gw, gb, applied)
-        ctx.options = (ii, inv_t, reduction)
-        ctx.needs = (nx, nw, nb, chunk, ent)
-        ctx.set_materialize_grads(False)  # an output nobody differentiates costs nothing in the backward
-        return nll, lse, entropy
+    else:
+        loss, z = FusedLinearCrossEntropyFunction.apply(
+            x2, weight, t1, bias, class_weight, *options, reduction, nx, nw, nb, chunk
+        )
+    if reduction == "none":
+        loss, z = loss.view(target.shape), z.view(target.shape)
+    loss = loss.to(x.dtype)
+    return (loss, z.to(x.dtype)) if return_z_loss else loss
 
-    @staticmethod
-    def backward(ctx, g_nll, g_lse, g_entropy):
-        x, weight, target, bias, lse, entropy, gx, gw, gb, applied = unpack_saved_gradient(ctx, OP)
-        nx, nw, nb, chunk, ent = ctx.needs
-        ii, inv_t, reduction = ctx.options
-        grads = [None, None, None]
-        if g_nll is not None:
-            _flce_rescale_(gx, gw, gb, applied, g_nll)
-            grads = [gx, gw, gb]
-        g_entropy = g_entropy if ent else None
-        if g_lse is not None or g_entropy is not None:
-            extra = lce_bwd(
-                x, weight, target, bias, None, lse, entropy if ent else None, None, g_lse, g_entropy,
-                ii, 0.0, 0.0, 0.0, inv_t, reduction, nx, nw, nb, chunk,
-            )  # fmt: skip
-            grads = [e if g is None else g + e for g, e in zip(grads, extra)]
-        gx, gw, gb = grads
-        return (gx if nx else None, gw if nw else None, None, gb if nb else None) + (None,) * 8
+
+class LckFusedLinearCrossEntropyLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`fused_linear_cross_entropy`: ``forward(x, weight, target, bias=None)``.
+
+    ``class_weight`` is registered as a buffer.
+    """
+
+    def __init__(
+        self,
+        class_weight: Tensor | None = None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        reduction: str = "mean",
+        return_z_loss: bool = False,
+        chunk_bytes: int | None = None,
+        max_chunk_tokens: int | None = None,
+    ):
+        super().__init__()
+        op = "LckFusedLinearCrossEntropyLoss"
+        check_loss_options(
+            op,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            reduction=reduction,
+        )
+        check_chunking(op, chunk_bytes, max_chunk_tokens)
+        if class_weight is not None and not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"{op}: class_weight must be None or a tensor, got {type(class_weight).__name__}")
+        self.register_buffer("class_weight", class_weight)
+        self.options = {
+            "ignore_index": ignore_index,
+            "label_smoothing": label_smoothing,
+            "lse_square_scale": lse_square_scale,
+            "softcap": softcap,
+            "reduction": reduction,
+            "return_z_loss": return_z_loss,
+            "chunk_bytes": chunk_bytes,
+            "max_chunk_tokens": max_chunk_tokens,
+        }
+
+    def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
+        return fused_linear_cross_entropy(
+            x, weight, target, bias, class_weight=self.class_weight, **self.options
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,7 +261,7 @@ def fused_linear_scaled_cross_entropy(
         softcap=None,
         reduction=reduction,
     )
-    _check_inverse_temperature(OP, inverse_temperature)
+    check_inverse_temperature(OP, inverse_temperature)
     check_flag(OP, "return_entropy", return_entropy)
     check_chunking(OP, chunk_bytes, max_chunk_tokens)
     chunk = plan_chunk_tokens(
@@ -242,7 +310,7 @@ class LckFusedLinearScaledCrossEntropy(torch.nn.Module):
     ):
         super().__init__()
         op = "LckFusedLinearScaledCrossEntropy"
-        _check_inverse_temperature(op, inverse_temperature)
+        check_inverse_temperature(op, inverse_temperature)
         check_loss_options(
             op,
             ignore_index=ignore_index,
@@ -267,10 +335,3 @@ class LckFusedLinearScaledCrossEntropy(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-
-
-__all__ = [
-    "FusedLinearScaledCrossEntropyFunction",
-    "LckFusedLinearScaledCrossEntropy",
-    "fused_linear_scaled_cross_entropy",
-]

@@ -2,9 +2,9 @@
 
 ``_vp_target_digest_kernel`` summarises a target vector (min and max of the non-ignored targets and a
 position-weighted hash) into float32 limbs, so that the ops can check, in the same collective that checks
-shapes, that every rank holds the same targets inside the vocabulary (``_vocab_parallel_group.agree``).
+shapes, that every rank holds the same targets inside the vocabulary (``group.agree``).
 ``_vp_verdict_kernel`` is that check on the device, for calls captured into a CUDA graph
-(``_vocab_parallel_capture``), where the host cannot read the gathered digests, and for groups of one
+(``capture.py``), where the host cannot read the gathered digests, and for groups of one
 rank (:func:`range_verdict`), where a host read would only stall the host.
 """
 
@@ -71,7 +71,7 @@ def decode_target_digest(limbs: list[float]) -> tuple[int, int, int]:
 
 
 # Sizes unspecialised: one compiled kernel serves every group size and vocabulary, so the one load done
-# outside capture (``_vocab_parallel_capture.remember``) is the kernel every capture launches.
+# outside capture (``capture.remember``) is the kernel every capture launches.
 @triton.jit(do_not_specialize=["n_rows", "width", "digest_at", "vocab_size"])
 def _vp_verdict_kernel(
     rows_ptr, n_rows, width, digest_at, vocab_size, out_ptr, OFFSET: tl.constexpr, BLOCK: tl.constexpr

@@ -1,8 +1,9 @@
-"""Input checks and the call agreement of ``vocab_parallel_fused_linear_scaled_cross_entropy``.
+"""Input checks of the vocabulary-parallel ops, and the call agreement of
+``vocab_parallel_fused_linear_scaled_cross_entropy``.
 
 ``_check_vp_flsce_inputs`` validates one rank's inputs (also run by the op's fake, so ``torch.compile``
 sees the same errors); ``_agree_and_check`` adds the collective agreement over the group (see
-``_vocab_parallel_group.agree``) and the capacity check, so every rank raises the same error.
+``group.agree``) and the capacity check, so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -13,52 +14,57 @@ from typing import Any
 import torch
 
 from lck_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name, rows_view
-from lck_kernels._vocab_parallel_group import Field, TPGroup, agree, check_target
+from lck_kernels.vocab_parallel.group import Field, TPGroup, agree, check_target
 
-OP = "vocab_parallel_fused_linear_scaled_cross_entropy"
+FLSCE_OP = "vocab_parallel_fused_linear_scaled_cross_entropy"
+CE_OP = "vocab_parallel_cross_entropy"
 
 
 def _check_vp_flsce_inputs(
     x: Any, weight: Any, target: Any, inverse_temperature: float, chunk_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_tensor(OP, "x", x, dtypes=FLOAT_DTYPES)
-    check_tensor(OP, "weight_shard", weight, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor(FLSCE_OP, "x", x, dtypes=FLOAT_DTYPES)
+    check_tensor(FLSCE_OP, "weight_shard", weight, dtypes=FLOAT_DTYPES, ndim=2)
     if x.dim() < 1:
-        raise ValueError(f"{OP}: x must be [..., hidden], got a scalar")
+        raise ValueError(f"{FLSCE_OP}: x must be [..., hidden], got a scalar")
     if weight.dtype != x.dtype:
         raise TypeError(
-            f"{OP}: weight_shard has dtype {dtype_name(weight.dtype)} but x has {dtype_name(x.dtype)}; "
+            f"{FLSCE_OP}: weight_shard has dtype {dtype_name(weight.dtype)} but x has {dtype_name(x.dtype)}; "
             f"they must match"
         )
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"{OP}: weight_shard has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}; "
+            f"{FLSCE_OP}: weight_shard has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}; "
             f"expected [local_vocab, {x.shape[-1]}]"
         )
     if weight.shape[0] < 1:
         raise ValueError(
-            f"{OP}: weight_shard must hold at least one vocabulary row, got {tuple(weight.shape)}"
+            f"{FLSCE_OP}: weight_shard must hold at least one vocabulary row, got {tuple(weight.shape)}"
         )
-    x2 = rows_view(OP, "x", x)
-    t = check_target(OP, target, tuple(x.shape[:-1]), "x")
-    check_same_device(OP, x=x, weight_shard=weight, target=target)
+    x2 = rows_view(FLSCE_OP, "x", x)
+    t = check_target(FLSCE_OP, target, tuple(x.shape[:-1]), "x")
+    check_same_device(FLSCE_OP, x=x, weight_shard=weight, target=target)
     tau = float(inverse_temperature)
     if not math.isfinite(tau) or tau <= 0.0:
-        raise ValueError(f"{OP}: inverse_temperature must be a finite number > 0, got {inverse_temperature}")
+        raise ValueError(
+            f"{FLSCE_OP}: inverse_temperature must be a finite number > 0, got {inverse_temperature}"
+        )
     if int(chunk_bytes) < 1:
-        raise ValueError(f"{OP}: chunk_bytes must be >= 1, got {chunk_bytes}")
+        raise ValueError(f"{FLSCE_OP}: chunk_bytes must be >= 1, got {chunk_bytes}")
     return x2, t
 
 
 def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_bytes, grad_flags, reduction):
     """Local validation, the collective agreement and the capacity check; returns (x2, t, local_vocab,
     verdict), ``verdict`` None, or inside CUDA-graph capture the 0-D tensor (0.0 or NaN) to add to the loss
-    (see ``_vocab_parallel_group.agree``)."""
+    (see ``group.agree``)."""
     error: BaseException | None = None
     try:
         x2, t = _check_vp_flsce_inputs(x, weight, target, tau, chunk_bytes)
         if tp.ctx is not None and x.device != tp.ctx.device:
-            raise ValueError(f"{OP}: x is on {x.device} but lck_runtime.configure prepared {tp.ctx.device}")
+            raise ValueError(
+                f"{FLSCE_OP}: x is on {x.device} but lck_runtime.configure prepared {tp.ctx.device}"
+            )
     except (TypeError, ValueError) as exc:
         error, x2, t = exc, None, None
     tokens, hidden = (x2.shape[0], x2.shape[1]) if x2 is not None else (0, 0)
@@ -79,7 +85,7 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
         Field("whether the group has a runtime FLSCE context (lck_runtime.configure)", tp.ctx is not None),
     ]
     verdict = agree(
-        OP,
+        FLSCE_OP,
         tp,
         fields,
         error=error,
@@ -89,5 +95,21 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
         device=tp.comm_device(x),
     )
     assert x2 is not None and t is not None
-    tp.check_capacity(OP, tokens, hidden=hidden, local_vocab=local_vocab)
+    tp.check_capacity(FLSCE_OP, tokens, hidden=hidden, local_vocab=local_vocab)
     return x2, t, local_vocab, verdict
+
+
+def check_vocab_parallel_cross_entropy_inputs(
+    logits: Any, target: Any, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor(CE_OP, "logits_shard", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"{CE_OP}: logits_shard must be [..., local_vocab] with local_vocab >= 1, got {tuple(logits.shape)}"
+        )
+    z = rows_view(CE_OP, "logits_shard", logits)
+    t = check_target(CE_OP, target, tuple(logits.shape[:-1]), "logits_shard")
+    check_same_device(CE_OP, logits_shard=logits, target=target)
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{CE_OP}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    return z, t

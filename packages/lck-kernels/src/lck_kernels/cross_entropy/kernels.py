@@ -1,6 +1,6 @@
 """Triton kernels for cross entropy over rows of logits, shared by ``cross_entropy`` and the fused linear ops.
 
-They are built from the row passes of ``_cross_entropy_rows`` (statistics, gradient, coefficients):
+They are built from the row passes of ``rows.py`` (statistics, gradient, coefficients):
 
 - ``_ce_reduction_kernel`` (one program): the mean's denominators on device, without a host sync:
   ``[Σ w_t, n_valid, cw, cz, Σ_c w_c]`` over non-ignored rows (``cw = 1/Σ w_t`` and ``cz = 1/n_valid`` for
@@ -11,7 +11,7 @@ They are built from the row passes of ``_cross_entropy_rows`` (statistics, gradi
   gradient, between a tile's two reads, close to the 50 MiB L2, so only part of the re-read hits.
   ``REVERSE`` (tuning key ``reverse``) walks the second pass last tile first, so the tiles read most
   recently come first; measured, it was slower (1.60 ms against 1.51 ms on an H200, 2026-11-30), so it is off.
-- ``_ce_fwd_split_kernel`` (``_cross_entropy_split``): the same with each row split over a team of programs.
+- ``_ce_fwd_split_kernel`` (``split.py``): the same with each row split over a team of programs.
 - ``_ce_bwd_kernel``: the gradient from a saved lse (and entropy) and per-row upstream gradients: the
   recompute path of the fused linear ops.
 - ``_ce_rescale_rows_kernel``, ``_rescale_factor_kernel`` + ``_rescale_kernel``: the backward of a
@@ -23,20 +23,16 @@ They are built from the row passes of ``_cross_entropy_rows`` (statistics, gradi
   with a row early updated ``applied`` before a lagging warp had read it, and the lagging warp left its
   share of the row unscaled (17 of 300 calls at 8192 × 128256 on an H200, 2026-12-01).
 
-``ce_launch_config`` picks tiles, warps, grids and switches from the measured defaults (``_DEFAULTS``,
+``launch.ce_launch_config`` picks tiles, warps, grids and switches from the measured defaults (``_DEFAULTS``,
 overridable through ``lck_kernels._common.tuning``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
 
-from lck_kernels._common import next_power_of_2, num_sms, tuned
-from lck_kernels._cross_entropy_rows import (
+from lck_kernels.cross_entropy.rows import (
     _ce_coefficients,
     _ce_row_grad,
     _ce_row_stats,
@@ -270,7 +266,8 @@ def _rescale_kernel(ptr, n, n_blocks, factor_ptr, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Launch configuration: small pure functions, overridable through lck_kernels._common.tuning(...)
+# Measured launch defaults (``launch.ce_launch_config`` turns them into a launch; overridable through
+# lck_kernels._common.tuning(...))
 # ---------------------------------------------------------------------------------------------------------
 
 # Tuning keys: "cross_entropy_fwd" (loss only: one read), "cross_entropy_fwd_grad" (loss and gradient in
@@ -303,7 +300,7 @@ _DEFAULTS = {
     "cross_entropy_fwd_grad": {
         "block_bytes": 32768, "warps": 32, "programs_per_sm": 0, "evict": 1, "stages": 1, "prefetch": 1,
         "split": 1, "reverse": 0, "sm_pct": 100, "grad_ahead": 1, "warp_max": 1,
-        # cuda 1: the CUDA cluster kernel (_cross_entropy_cuda, csrc/ce_fwd_grad.cu) runs instead where it
+        # cuda 1: the CUDA cluster kernel (cuda.py, csrc/ce_fwd_grad.cu) runs instead where it
         # applies; cluster: blocks per row (0: the smallest of 2/4/8 whose slice fits shared memory three
         # times); threads per block. It moves two passes of HBM traffic instead of three but was slower on an
         # H200 (2026-11-30, 8192 x 128256 bf16: 1.64 ms at 4 x 1024, 1.74 at 8 x 512, against 1.43 for this
@@ -315,53 +312,3 @@ _DEFAULTS = {
         "block_bytes": 16384, "warps": 16, "programs_per_sm": 0, "evict": 0, "stages": 1, "prefetch": 0,
     },
 }  # fmt: skip
-_ELEMENTS_PER_THREAD_FLOOR = 8  # fewer warps for short rows: at least this many elements per thread
-MAX_SPLIT = 8
-
-
-def _floor_power_of_2(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
-
-
-def ce_launch_config(
-    kernel: str, n_rows: int, n_cols: int, element_size: int, device: torch.device
-) -> dict[str, Any]:
-    """Tile width, warps, grid size and constexpr switches for one of the row kernels.
-
-    The tile is ``block_bytes`` of logits (so fp32 rows take half the elements of bf16 rows), capped by
-    the row length; warps shrink for short rows. The grid is ``programs_per_sm × SMs`` (a persistent grid) or one
-    program per row, never more programs than rows. With ``split`` > 1 (loss+gradient kernel only) each row
-    goes to a team of ``SPLIT`` consecutive programs (a power of two, at most the row's tiles and 8), each
-    owning ``CHUNK`` columns (whole tiles); the grid is a whole number of teams, at most one per row.
-    """
-    cfg = tuned(kernel, dict(_DEFAULTS[kernel]))
-    block = next_power_of_2(max(16, cfg["block_bytes"] // max(element_size, 1)))
-    block = min(block, max(16, next_power_of_2(n_cols)))
-    warps = next_power_of_2(max(1, min(cfg["warps"], block // (32 * _ELEMENTS_PER_THREAD_FLOOR))))
-    per_sm = cfg["programs_per_sm"]
-    sms = num_sms(device)
-    tiles = triton.cdiv(n_cols, block)
-    split = min(_floor_power_of_2(cfg.get("split", 1)), _floor_power_of_2(tiles), MAX_SPLIT)
-    split = min(split, _floor_power_of_2(sms))  # a team must fit the GPU at once
-    # sm_pct < 100 (persistent grids only): fewer programs than SMs, so fewer rows in flight between a tile's
-    # two reads (a smaller L2 working set) at the price of fewer SMs streaming.
-    pct = max(1, min(100, cfg.get("sm_pct", 100)))
-    teams = n_rows if per_sm <= 0 else min(n_rows, max(1, per_sm * sms * pct // 100 // split))
-    return {
-        "BLOCK": block,
-        "num_warps": warps,
-        "grid": (max(1, teams) * split,),
-        "EVICT": bool(cfg["evict"]),
-        "NUM_STAGES": max(1, cfg["stages"]),
-        "PREFETCH": max(0, min(2, int(cfg.get("prefetch", 0)))),
-        "SPLIT": split,
-        "CHUNK": triton.cdiv(tiles, split) * block,
-        "REVERSE": bool(cfg.get("reverse", 0)),
-        "GRAD_AHEAD": bool(cfg.get("grad_ahead", 0)),
-        "WARP_MAX": bool(cfg.get("warp_max", 0)),
-    }
-
-
-def rescale_grid(n: int, block: int, device: torch.device) -> tuple[int]:
-    """A persistent grid for the flat rescale: a few programs per SM, each striding over ``n``."""
-    return (max(1, min(triton.cdiv(n, block), 8 * num_sms(device))),)

@@ -1,0 +1,124 @@
+"""The ``torch.library`` ops of ``rms_norm`` (namespace ``lck::``) and its ``torch.autograd.Function``."""
+
+from __future__ import annotations
+
+import torch
+
+from lck_kernels._common import define_op, rows_view
+from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_bwd_inputs, check_rms_norm_inputs
+from lck_kernels.rms_norm.launch import launch_bwd, launch_fwd
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.library ops (namespace lck::)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fwd_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_inputs("lck::rms_norm_fwd", x, weight, eps, offset, casting_mode)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, y2 = rows_view("lck::rms_norm_fwd", "x", x), y.view(-1, x.shape[-1])
+    rstd = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device)
+    if x2.shape[0] > 0:
+        launch_fwd(x2, weight, y2, rstd, eps, offset, CASTING_MODES.index(casting_mode))
+    return y, rstd
+
+
+def _fwd_fake(x, weight, eps, offset, casting_mode):
+    check_rms_norm_inputs("lck::rms_norm_fwd", x, weight, eps, offset, casting_mode)
+    rows = x.numel() // x.shape[-1]
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+        (rows,), dtype=torch.float32
+    )
+
+
+_rms_norm_fwd = define_op("lck::rms_norm_fwd", _fwd_impl, fake=_fwd_fake)
+
+
+def _bwd_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "lck::rms_norm_bwd"
+    check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rstd.shape[0] == 0:
+        return dx, torch.zeros_like(weight)
+    dw = launch_bwd(
+        rows_view(op, "dy", dy), rows_view(op, "x", x), weight, rstd, dx.view(-1, x.shape[-1]),
+        offset, CASTING_MODES.index(casting_mode),
+    )  # fmt: skip
+    return dx, dw.to(weight.dtype)
+
+
+def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
+    check_rms_norm_bwd_inputs("lck::rms_norm_bwd", dy, x, weight, rstd, casting_mode)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+_rms_norm_bwd = define_op("lck::rms_norm_bwd", _bwd_impl, fake=_bwd_fake)
+
+
+def _bwd_inplace_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+) -> torch.Tensor:
+    """Writes ``dx`` into ``dy`` (which must not have overlapping rows); returns ``dweight``."""
+    op = "lck::rms_norm_bwd_"
+    check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
+    dy2 = rows_view(op, "dy", dy)
+    if dy2.shape[0] > 1 and dy2.stride(0) < dy2.shape[1]:
+        raise ValueError(
+            f"{op}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); cannot write dx into it"
+        )
+    if rstd.shape[0] == 0:
+        return torch.zeros_like(weight)
+    dw = launch_bwd(dy2, rows_view(op, "x", x), weight, rstd, dy2, offset, CASTING_MODES.index(casting_mode))
+    return dw.to(weight.dtype)
+
+
+def _bwd_inplace_fake(dy, x, weight, rstd, offset, casting_mode):
+    check_rms_norm_bwd_inputs("lck::rms_norm_bwd_", dy, x, weight, rstd, casting_mode)
+    return torch.empty_like(weight)
+
+
+_rms_norm_bwd_ = define_op(
+    "lck::rms_norm_bwd_", _bwd_inplace_impl, mutates_args=("dy",), fake=_bwd_inplace_fake
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autograd, functional API, module
+# ---------------------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd wiring of ``lck::rms_norm_fwd`` / ``lck::rms_norm_bwd`` (``_bwd_`` when ``in_place``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
+        y, rstd = _rms_norm_fwd(x, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if not dy.is_contiguous():  # e.g. an expanded gradient of a sum: give the kernel real rows
+            dy = dy.contiguous()
+        if ctx.in_place:
+            dw = _rms_norm_bwd_(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+            dx = dy
+        else:
+            dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None, None
