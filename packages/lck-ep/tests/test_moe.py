@@ -243,3 +243,19 @@ def test_cuda_bf16_matches_float64(alignment: int) -> None:
         err = float((got.double() - want).abs().max())
         assert err <= 2e-2 * scale, f"seed {SEED}: {name} max error {err:.3e} vs float64 (scale {scale:.2f})"
     assert not m.weight1.grad[7].any() and not m.weight2.grad[7].any(), "the empty expert got a gradient"
+
+
+def test_benchmark_cpu_smoke(interpret, tmp_path) -> None:
+    """`lck bench moe --cpu` runs at a tiny shape and writes its files; the providers' outputs agree."""
+    import json
+
+    from lck_ep.moe.benchmark import main
+
+    assert main(["--cpu", "--iters", "1", "--only", "lck", "grouped_mm_eager", "--out", str(tmp_path)]) == 0
+    (found,) = tmp_path.glob("cpu-*-moe.json")
+    recs = json.loads(found.read_text())["records"]
+    assert {r["provider"] for r in recs} == {"lck", "grouped_mm_eager"} and not any(r["error"] for r in recs)
+    for r in recs:
+        if r["mode"] == "fwd" and "max_rel_diff_vs_first" in r["extra"]:
+            assert r["extra"]["max_rel_diff_vs_first"] < 1e-5, r
+    assert any(p.suffix == ".csv" for p in tmp_path.iterdir())

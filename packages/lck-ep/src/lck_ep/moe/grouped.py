@@ -15,14 +15,21 @@ synchronisation); other dtypes on CUDA take the loop here, which reads them on t
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def _fast_device(index: int) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
 
 
 def grouped_fast(a: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm``'s device kernel serves ``a`` (bf16 on CUDA, compute capability 9.x/10.x)."""
-    if a.device.type != "cuda" or a.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+    if a.device.type != "cuda" or a.dtype != torch.bfloat16:
         return False
-    return torch.cuda.get_device_capability(a.device)[0] in (9, 10)
+    return _fast_device(a.device.index if a.device.index is not None else torch.cuda.current_device())
 
 
 def _segments(ends: torch.Tensor) -> list[tuple[int, int]]:

@@ -39,7 +39,8 @@ def _next_pow2(n: int) -> int:
 @functools.cache
 def _row_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row-wise kernel over ``n_cols`` columns."""
-    block_n = min(_next_pow2(n_cols), _ROW_TILE)
+    # A power of two that divides the row (768 → 256) wastes no lanes; else the next power of two.
+    block_n = next((c for c in (1024, 512, 256, 128) if n_cols % c == 0), min(_next_pow2(n_cols), 1024))
     block_m = max(1, _ROW_TILE // block_n)
     warps = 4 if block_m * block_n >= 1024 else 1
     return block_m, block_n, warps
