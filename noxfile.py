@@ -72,8 +72,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def layers(session: nox.Session) -> None:
-    """Fail on any upward or sideways import between members."""
+    """Fail on any upward or sideways import between members, and on any import cycle inside them."""
     session.run("python", "ci/checks.py", "layers")
+    session.run("python", "ci/checks.py", "cycles")
     session.run("python", "-m", "pytest", "tests/test_checks.py", "-q", "-p", "no:cacheprovider")
 
 

@@ -5,10 +5,17 @@ downward (runtime ← kernels ← ep ← megatron). lck-megatron may import lck_
 ``[ep]`` extra is declared, and only lazily (inside a function), so that installing lck-megatron
 without the extra never imports lck_ep at module load.
 
+``cycles``: no module of the four packages imports (directly or through others) a module that
+imports it back. Every import statement counts, wherever it stands (a lazy import inside a function,
+one under ``if TYPE_CHECKING:``): each is a dependency a reader has to untangle. An import names its
+module (``from a.b import c`` names ``a.b.c`` when that is a module, else ``a.b``); the package
+``__init__`` modules that Python runs on the way are not counted, or every subpackage would form a
+circle with its parent.
+
 ``pins``: the root meta-package pins every member with ``==`` to exactly the member's version, and
 every member's own ``lck-*==`` dependencies match the versions of the members they name.
 
-Run: ``python ci/checks.py layers|pins|all``. Exit status 1 with one line per problem.
+Run: ``python ci/checks.py layers|cycles|pins|all``. Exit status 1 with one line per problem.
 """
 
 from __future__ import annotations
@@ -75,6 +82,103 @@ def check_layers(root: Path = ROOT) -> list[str]:
     return problems
 
 
+def _module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module under the members' ``src/``."""
+    mods = {}
+    for importer in LAYERS:
+        src = root / "packages" / DIST[importer] / "src"
+        for path in sorted((src / importer).rglob("*.py")):
+            parts = list(path.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _import_targets(tree: ast.AST, name: str, is_package: bool, mods: dict[str, Path]):
+    """(imported module, line) for every import in ``tree`` that names a module in ``mods``."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in mods:
+                    yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in mods:
+                    yield sub, node.lineno
+                elif base in mods:
+                    yield base, node.lineno
+
+
+def _strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's components of more than one module (and single modules importing themselves)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def check_cycles(root: Path = ROOT) -> list[str]:
+    mods = _module_files(root)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in mods.items():
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as exc:
+            graph[name] = {}
+            print(f"{path.relative_to(root)}: cannot parse: {exc}", file=sys.stderr)
+            continue
+        edges: dict[str, int] = {}
+        for target, line in _import_targets(tree, name, path.name == "__init__.py", mods):
+            edges.setdefault(target, line)
+        graph[name] = edges
+    problems = []
+    for comp in _strongly_connected(graph):
+        members = set(comp)
+        links = [
+            f"{mods[a].relative_to(root)}:{graph[a][b]} imports {b}"
+            for a in comp
+            for b in sorted(graph[a])
+            if b in members
+        ]
+        problems.append(f"import cycle among {', '.join(comp)}: " + "; ".join(links))
+    return problems
+
+
 _PIN = re.compile(r"^\s*(lck(?:-[a-z]+)?)\s*==\s*([^\s;]+)")
 
 
@@ -120,9 +224,9 @@ def check_pins(root: Path = ROOT) -> list[str]:
 
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else "all"
-    checks = {"layers": check_layers, "pins": check_pins}
+    checks = {"layers": check_layers, "cycles": check_cycles, "pins": check_pins}
     if what not in (*checks, "all"):
-        print(f"usage: python ci/checks.py [layers|pins|all], got {what!r}", file=sys.stderr)
+        print(f"usage: python ci/checks.py [layers|cycles|pins|all], got {what!r}", file=sys.stderr)
         return 2
     problems = []
     for name, check in checks.items():

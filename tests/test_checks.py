@@ -1,4 +1,4 @@
-"""The layer and pin checks catch what they claim to, and the repository passes them."""
+"""The layer, cycle and pin checks catch what they claim to, and the repository passes them."""
 
 from __future__ import annotations
 
@@ -38,9 +38,64 @@ def test_repository_passes() -> None:
     assert checks.check_pins() == []
 
 
+def test_repository_has_no_import_cycles() -> None:
+    assert checks.check_cycles() == []
+
+
 def test_clean_copy_passes(repo: Path) -> None:
     assert checks.check_layers(repo) == []
+    assert checks.check_cycles(repo) == []
     assert checks.check_pins(repo) == []
+
+
+def _write(repo: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = repo / "packages" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("files", "members"),
+    [
+        (  # two modules importing each other at module level
+            {
+                "lck-runtime/src/lck_runtime/a.py": "from lck_runtime.b import f\n",
+                "lck-runtime/src/lck_runtime/b.py": "import lck_runtime.a\n",
+            },
+            ["lck_runtime.a", "lck_runtime.b"],
+        ),
+        (  # a lazy import back, and one only for type checking, still close the circle
+            {
+                "lck-kernels/src/lck_kernels/x/__init__.py": "",
+                "lck-kernels/src/lck_kernels/x/ops.py": "from lck_kernels.x import launch\n",
+                "lck-kernels/src/lck_kernels/x/launch.py": "def f():\n    from lck_kernels.x.checks import g\n",
+                "lck-kernels/src/lck_kernels/x/checks.py": (
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .ops import Op\n"
+                ),
+            },
+            ["lck_kernels.x.checks", "lck_kernels.x.launch", "lck_kernels.x.ops"],
+        ),
+    ],
+)
+def test_import_cycle_detected(repo: Path, files: dict[str, str], members: list[str]) -> None:
+    _write(repo, files)
+    problems = checks.check_cycles(repo)
+    assert len(problems) == 1 and all(m in problems[0] for m in members), problems
+
+
+def test_package_and_its_submodules_are_no_cycle(repo: Path) -> None:
+    """A package ``__init__`` re-exporting its submodules, which import each other one way: no circle."""
+    _write(
+        repo,
+        {
+            "lck-kernels/src/lck_kernels/y/__init__.py": "from lck_kernels.y.ops import op\n",
+            "lck-kernels/src/lck_kernels/y/ops.py": "from lck_kernels.y.checks import check\n",
+            "lck-kernels/src/lck_kernels/y/checks.py": "from lck_kernels import _common\n",
+            "lck-kernels/src/lck_kernels/_common.py": "",
+        },
+    )
+    assert checks.check_cycles(repo) == []
 
 
 @pytest.mark.parametrize(

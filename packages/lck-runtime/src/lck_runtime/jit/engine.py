@@ -29,7 +29,7 @@ from lck_runtime.jit.cubin import kernel_symbols
 from lck_runtime.jit.errors import JitConfigError, JitError
 from lck_runtime.jit.flags import JitSettings, define_flags, read_settings
 from lck_runtime.jit.host import HostModule, load_host
-from lck_runtime.jit.kernel import Kernel
+from lck_runtime.jit.kernel import BuildPlan, Kernel
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
 _QUOTED_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"\n]+)"', re.MULTILINE)
@@ -74,21 +74,6 @@ def _included_headers(source: str, dirs: list[Path], declared: list[Path]) -> li
                         todo.append((cand.read_text(errors="replace"), cand.parent))
                     break
     return list(found)
-
-
-@dataclasses.dataclass(frozen=True)
-class BuildPlan:
-    """A validated build request and its cache key."""
-
-    name: str
-    kernel: str
-    arch: str
-    source: str
-    flags: list[str]
-    headers: list[list[str]]
-    nvcc: str
-    nvcc_version: str
-    key: str
 
 
 class Jit:

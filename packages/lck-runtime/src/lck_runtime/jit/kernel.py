@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lck_runtime.jit.args import KIND_F32, KIND_I32, KIND_I64, KIND_PTR, KIND_U64, pack_args
 from lck_runtime.jit.cache import Entry
@@ -16,10 +17,7 @@ from lck_runtime.jit.compiler import CAPABILITY_ARCH
 from lck_runtime.jit.errors import JitConfigError, JitError
 from lck_runtime.jit.host import HostModule, call
 
-if TYPE_CHECKING:
-    from lck_runtime.jit.engine import BuildPlan, Jit
-
-__all__ = ["Kernel"]
+__all__ = ["BuildPlan", "Kernel"]
 
 _KIND_BYTES = {KIND_I32: 4, KIND_F32: 4, KIND_I64: 8, KIND_U64: 8, KIND_PTR: 8}
 _KIND_NAMES = {KIND_I32: "I32", KIND_F32: "F32", KIND_I64: "I64", KIND_U64: "U64", KIND_PTR: "Ptr/tensor"}
@@ -30,6 +28,29 @@ _ATTR_LOCAL_SIZE = 3
 _ATTR_NUM_REGS = 4
 _ATTR_MAX_DYNAMIC_SHARED = 8
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs an explicit opt-in
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """A validated build request and its cache key."""
+
+    name: str
+    kernel: str
+    arch: str
+    source: str
+    flags: list[str]
+    headers: list[list[str]]
+    nvcc: str
+    nvcc_version: str
+    key: str
+
+
+class HostSource(Protocol):
+    """What a :class:`Kernel` needs from the ``Jit`` that built it (a protocol, so this module does not
+    import the engine, which imports it)."""
+
+    def host(self) -> HostModule: ...
+
 
 # CUmodule per (cubin sha256, device): one load per process, whichever Kernel object asks first.
 _modules: dict[tuple[str, int], int] = {}
@@ -50,7 +71,7 @@ class Kernel:
     """One compiled kernel: ``key``, ``cubin_path``, ``command`` (the nvcc argv that built it),
     ``from_cache`` (True when nvcc did not run for this build), ``arch``; :meth:`launch` runs it."""
 
-    def __init__(self, jit: Jit, plan: BuildPlan, entry: Entry):
+    def __init__(self, jit: HostSource, plan: BuildPlan, entry: Entry):
         self._jit = jit
         self.name = plan.name
         self.kernel = plan.kernel
