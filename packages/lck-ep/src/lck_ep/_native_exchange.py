@@ -70,7 +70,7 @@ def dispatch(
         out = _receive(st, buf, rows, buf.hidden, plan.x.dtype, True, plan.topk_weights is not None)
         out["per_expert"] = torch.zeros(big_l, dtype=torch.int64, device=dev) if counts is None else None
         st.receive_rows(
-            hidden=buf.hidden, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
+            plan.x, hidden=buf.hidden, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
     got = reference.Received(
@@ -141,7 +141,7 @@ def replay(buf: Any, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
         out = _receive(st, buf, h.num_recv_rows, buf.hidden, x.dtype, False, False)
         st.receive_rows(
-            hidden=buf.hidden, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
+            x, hidden=buf.hidden, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
     return maybe_expand(out["recv_x"], h)
@@ -158,9 +158,17 @@ def combine(buf: Any, plan: CombinePlan) -> torch.Tensor:
         assert h.recv_expanded_index is not None
         partial = reduce_expanded(plan.x, h.recv_expanded_index, plan.topk_weights)
     with torch.cuda.device(buf.device):
-        st.send_partials(
-            partial.contiguous(), h.recv_counts_device, h.recv_starts, buf.num_sms, buf.timeout_ns
-        )
+        partial = partial.contiguous()
+        st.send_partials(partial, h.recv_counts_device, h.recv_starts, buf.num_sms, buf.timeout_ns)
         out = torch.empty(h.num_tokens, buf.hidden, dtype=partial.dtype, device=buf.device)
-        st.reduce_partials(out, h.is_token_in_rank, h.send_slot, plan.bias, buf.num_sms, buf.timeout_ns)
+        st.reduce_partials(
+            partial,
+            h.recv_starts,
+            out,
+            h.is_token_in_rank,
+            h.send_slot,
+            plan.bias,
+            buf.num_sms,
+            buf.timeout_ns,
+        )
     return out

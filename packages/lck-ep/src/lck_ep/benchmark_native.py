@@ -19,6 +19,7 @@ refuses two ranks on one GPU); its rows are for scale, not a peer.
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -115,6 +116,20 @@ def _bench_shape(
     attempt("dispatch_expanded", "lck_nvshmem_sync_free", label, expanded, sent)
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
+    # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:
+    share = int(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100") or 100)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count * share // 100
+    if sms > free.num_sms:
+        wide = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev, num_sms=sms)
+        dw = wide.dispatch(x, idx, w)
+        attempt("dispatch", f"lck_nvshmem_sync_free_{sms}sms", label, lambda: wide.dispatch(x, idx, w), sent)
+        attempt(
+            "combine",
+            f"lck_nvshmem_sync_free_{sms}sms",
+            label,
+            lambda: wide.combine(dw.recv_x, dw.handle),
+            sent,
+        )
     # The same bytes as one copy_ into the next PE's workspace (and, for scale, within this PE).
     n = int(sent) // 2
     src = torch.randn(n, generator=g).to(torch.bfloat16).to(dev)

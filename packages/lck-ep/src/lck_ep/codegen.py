@@ -114,13 +114,13 @@ _NATIVE_BODIES = {
     ),
     "ep_dispatch_recv": (
         "dispatch.cuh",
-        """const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
+        """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
     long long meta_offset, long long x_bytes, long long cap, long long out_rows, int num_ranks, int me,
     int num_topk, int has_meta, int num_local_experts, uint8_t* recv_x, long long* recv_src_idx,
     long long* recv_topk_idx, float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts,
     long long* recv_starts, long long* slot_pos, long long* num_recv, long long* per_expert,
     unsigned int* done, long long* status, unsigned long long timeout_ns""",
-        """lck_ep::DispatchRecvArgs a{ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, cap, out_rows,
+        """lck_ep::DispatchRecvArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, cap, out_rows,
         num_ranks, me, num_topk, has_meta, num_local_experts, recv_x, recv_src_idx, recv_topk_idx,
         recv_topk_weights, recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, done,
         status, timeout_ns};
@@ -138,11 +138,11 @@ _NATIVE_BODIES = {
     ),
     "ep_combine_recv": (
         "combine.cuh",
-        """const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
-    const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
+        """const uint8_t* partial, long long valid_rows, const long long* recv_starts, const uint8_t* ws,
+    long long* my_sig, long long region_bytes, long long row_stride, const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
     int num_tokens, int hidden, int num_ranks, int me, int dtype, unsigned int* done, long long* status,
     unsigned long long timeout_ns""",
-        """lck_ep::CombineRecvArgs a{ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
+        """lck_ep::CombineRecvArgs a{partial, valid_rows, recv_starts, ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
         num_tokens, hidden, num_ranks, me, done, status, timeout_ns};
     if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);  // 0: bf16, 1: fp16 (lck_ep.native)
     else lck_ep::combine_recv<__half>(a);""",

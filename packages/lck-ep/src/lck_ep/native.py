@@ -232,6 +232,7 @@ class NativeEp:
 
     def receive_rows(
         self,
+        x: torch.Tensor,
         *,
         hidden: int,
         num_topk: int,
@@ -256,6 +257,7 @@ class NativeEp:
             num_sms,
             _THREADS,
             [
+                x,
                 self.workspace,
                 self.signals,
                 I64(lay.region_bytes),
@@ -320,6 +322,8 @@ class NativeEp:
 
     def reduce_partials(
         self,
+        partial: torch.Tensor,
+        recv_starts: torch.Tensor,
         out: torch.Tensor,
         mask: torch.Tensor,
         send_slot: torch.Tensor,
@@ -336,6 +340,9 @@ class NativeEp:
             num_sms,
             _THREADS,
             [
+                partial,
+                I64(partial.shape[0]),
+                recv_starts,
                 self.workspace,
                 self.signals,
                 I64(lay.region_bytes),

@@ -43,6 +43,7 @@ __device__ inline void combine_send(const CombineSendArgs& a) {
     const long long total = starts[a.num_ranks];
     for (long long p = warp; p < total; p += warps) {
       const int s = source_of(starts, a.num_ranks, p);
+      if (s == a.me) continue;  // this member's own partials are read in place by combine_recv
       uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[s]) + a.me * a.region_bytes + (p - starts[s]) * a.row_stride;
       if (p < a.valid_rows) warp_copy(row, a.partial + p * a.row_bytes, a.row_bytes, lane);
       else warp_zero(row, a.row_bytes, lane);
@@ -64,6 +65,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 struct CombineRecvArgs {
+  const uint8_t* partial;       // this member's own partial rows (those of its tokens it hosts itself)
+  long long valid_rows;         // rows of partial (a capacity-sized dispatch may have dropped the rest)
+  const long long* recv_starts;  // [W + 1] of the dispatch: where this member's own rows start
   const uint8_t* ws;
   long long* my_sig;
   long long region_bytes, row_stride;
@@ -78,27 +82,49 @@ struct CombineRecvArgs {
   unsigned long long timeout_ns;
 };
 
-// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows).
+// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows). The rows of
+// up to four members are loaded before any is added, so several loads are in flight, and then added in
+// ascending member order (the reference order).
 template <typename T, int kVec>
-__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane) {
+__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
   const T* b0 = static_cast<const T*>(a.bias0);
   const T* b1 = static_cast<const T*>(a.bias1);
   T* out = static_cast<T*>(a.out) + t * a.hidden;
+  const bool* mask = a.mask + t * a.num_ranks;
+  const long long* slot = a.send_slot + t * a.num_ranks;
   for (int h = lane * kVec; h < a.hidden; h += 32 * kVec) {
     float acc[kVec];
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
-    for (int d = 0; d < a.num_ranks; ++d) {
-      if (!a.mask[t * a.num_ranks + d]) continue;
-      const T* row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + a.send_slot[t * a.num_ranks + d] * a.row_stride);
-      T vals[kVec];
-      if constexpr (kVec == 8) {
-        *reinterpret_cast<int4*>(vals) = *reinterpret_cast<const int4*>(row + h);
-      } else {
-        vals[0] = row[h];
+    for (int d0 = 0; d0 < a.num_ranks; d0 += 4) {
+      T vals[4][kVec];
+      bool use[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int d = d0 + j;
+        use[j] = d < a.num_ranks && mask[d];
+        if (!use[j]) continue;
+        const T* row;
+        if (d != a.me) {
+          row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
+        } else {
+          const long long p = self_start + slot[d];
+          use[j] = p < a.valid_rows;  // a row the dispatch dropped comes back as zeros: adds nothing
+          row = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
+          if (!use[j]) continue;
+        }
+        if constexpr (kVec == 8) {
+          *reinterpret_cast<int4*>(vals[j]) = *reinterpret_cast<const int4*>(row + h);
+        } else {
+          vals[j][0] = row[h];
+        }
       }
 #pragma unroll
-      for (int v = 0; v < kVec; ++v) acc[v] = __fadd_rn(acc[v], to_float(vals[v]));
+      for (int j = 0; j < 4; ++j) {
+        if (!use[j]) continue;
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) acc[v] = __fadd_rn(acc[v], to_float(vals[j][v]));
+      }
     }
 #pragma unroll
     for (int v = 0; v < kVec; ++v) {
@@ -122,10 +148,11 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     // 16-byte lanes need a row length that keeps every row (workspace and output) 16-byte aligned.
     const bool vec = (a.hidden % 8) == 0 && (a.row_stride % 16) == 0 &&
-                     (reinterpret_cast<uintptr_t>(a.out) % 16) == 0;
+                     ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
+    const long long self_start = a.recv_starts[a.me];
     for (long long t = warp; t < a.num_tokens; t += warps) {
-      if (vec) reduce_token<T, 8>(a, t, lane);
-      else reduce_token<T, 1>(a, t, lane);
+      if (vec) reduce_token<T, 8>(a, t, lane, self_start);
+      else reduce_token<T, 1>(a, t, lane, self_start);
     }
   }
   finish_grid(a.done, [&] {

@@ -50,9 +50,12 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
         if (!a.mask[t * a.num_ranks + d]) continue;
         uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + a.me * a.region_bytes +
                        a.send_slot[t * a.num_ranks + d] * a.row_stride;
-        warp_copy(row, src, a.x_bytes, lane);
+        uint8_t* meta = row + a.meta_offset;
+        // Rows for this member itself stay in x: only their token index goes to the region, and the
+        // receiver copies them from x (one pass over those bytes instead of three).
+        if (d != a.me) warp_copy(row, src, a.x_bytes, lane);
+        else if (lane == 0) *reinterpret_cast<int*>(meta) = static_cast<int>(t);
         if (a.topk_idx != nullptr) {
-          uint8_t* meta = row + a.meta_offset;
           if (lane == 0) *reinterpret_cast<int*>(meta) = static_cast<int>(t);
           float* w = reinterpret_cast<float*>(meta + 4);
           short* li = reinterpret_cast<short*>(meta + 4 + 4 * K);
@@ -78,6 +81,7 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
 }
 
 struct DispatchRecvArgs {
+  const uint8_t* x;         // this member's own token rows (its rows to itself are read from here)
   const uint8_t* ws;        // this member's workspace
   long long* my_sig;        // this member's signal words
   long long region_bytes, row_stride, meta_offset, x_bytes;
@@ -128,7 +132,8 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
         const float* w = reinterpret_cast<const float*>(meta + 4);
         const short* li = reinterpret_cast<const short*>(meta + 4 + 4 * K);
         if (p < kept) {
-          warp_copy(a.recv_x + p * a.x_bytes, row, a.x_bytes, lane);
+          const uint8_t* from = s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(meta)) * a.x_bytes;
+          warp_copy(a.recv_x + p * a.x_bytes, from, a.x_bytes, lane);
           if (a.has_meta) {
             if (lane == 0) {
               a.recv_src_idx[p] = *reinterpret_cast<const int*>(meta);

@@ -97,12 +97,21 @@ __device__ __forceinline__ void warp_copy(uint8_t* __restrict__ dst, const uint8
     int4* d = reinterpret_cast<int4*>(dst);
     const long long m = n >> 4;
     long long i = lane;
-    for (; i + 96 < m; i += 128) {  // four independent 16-byte loads in flight per lane
-      const int4 a = __ldg(s + i), b = __ldg(s + i + 32), c = __ldg(s + i + 64), e = __ldg(s + i + 96);
-      d[i] = a;
-      d[i + 32] = b;
-      d[i + 64] = c;
-      d[i + 96] = e;
+    // Eight independent 16-byte loads in flight per lane (4 KiB per warp): a copy between PEs is bound by
+    // the bytes in flight, and a channel is one block, so each warp must keep many requests open.
+    for (; i + 224 < m; i += 256) {
+      int4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldg(s + i + 32 * u);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) d[i + 32 * u] = v[u];
+    }
+    for (; i + 96 < m; i += 128) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldg(s + i + 32 * u);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) d[i + 32 * u] = v[u];
     }
     for (; i < m; i += 32) d[i] = __ldg(s + i);
   } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n)) & 3u) == 0) {
