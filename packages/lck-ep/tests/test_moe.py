@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _moe_worker import CASE_NAMES, worker
+from _moe_worker import CASE_NAMES, cuda_buffer_equals_local, worker
 
 from lck_runtime.testing import run_workers
 
@@ -259,3 +259,10 @@ def test_benchmark_cpu_smoke(interpret, tmp_path) -> None:
         if r["mode"] == "fwd" and "max_rel_diff_vs_first" in r["extra"]:
             assert r["extra"]["max_rel_diff_vs_first"] < 1e-5, r
     assert any(p.suffix == ".csv" for p in tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+def test_cuda_buffer_path_equals_local_path() -> None:
+    """One NCCL rank: MoEExperts through a Buffer (reference backend) equals the local path bit for bit."""
+    (errors,) = run_workers(cuda_buffer_equals_local, 1, SEED, backend="nccl", timeout=600)
+    assert not errors, f"seed {SEED}:\n" + "\n".join(errors)
