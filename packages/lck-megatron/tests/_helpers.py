@@ -97,15 +97,45 @@ def mlp_reference(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     return swiglu_ref(h) @ w2.t()
 
 
-def build_gpt(config: Any, vocab_size: int = 64, seq: int = 16) -> Any:
+def build_gpt(config: Any, vocab_size: int = 64, seq: int = 16, tied: bool = False) -> Any:
     """A Megatron GPTModel with the local (non-TE) layer spec; buildable on the CPU."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=seq
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq,
+        share_embeddings_and_output_weights=tied,
     )
+
+
+def run_postprocess(
+    model: Any, hidden: torch.Tensor, labels: torch.Tensor, dloss: torch.Tensor, *, positional: bool = True
+) -> dict[str, torch.Tensor]:
+    """GPTModel._postprocess (output layer + loss, what ``linear_cross_entropy`` replaces) on ``hidden``
+    ``[s, b, h]`` and its backward with ``dloss`` ``[b, s]``: the loss, hidden and output-weight gradients."""
+    model.zero_grad(set_to_none=True)
+    x = hidden.detach().clone().requires_grad_(True)
+    ids = torch.zeros_like(labels)
+    if positional:
+        loss = model._postprocess(x, ids, ids, labels, None, None, None)
+    else:
+        loss = model._postprocess(
+            hidden_states=x,
+            input_ids=ids,
+            position_ids=ids,
+            labels=labels,
+            rotary_pos_emb=None,
+            rotary_pos_cos=None,
+            rotary_pos_sin=None,
+        )
+    loss.backward(dloss)
+    tied = model.share_embeddings_and_output_weights
+    weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+    return {"loss": loss.detach(), "hidden grad": x.grad, "weight grad": weight.grad.clone()}
 
 
 def run_mlp(mlp, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -159,7 +159,53 @@ def test_false_flags_do_not_unpatch() -> None:
     assert set(applied()) == {"swiglu", "rms_norm"}
 
 
-@pytest.mark.parametrize("flag", ["rms_norm", "cross_entropy", "swiglu", "swiglu_in_place"])
+def _model_methods() -> dict[str, object]:
+    """What each class of linear_cross_entropy.HOMES defines itself (an inherited method is not a site)."""
+    from lck_megatron.linear_cross_entropy import HOMES
+
+    found = {}
+    for module, cls_name, attr in HOMES:
+        try:
+            cls = getattr(_mod(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if attr in vars(cls):
+            found[f"{module}.{cls_name}.{attr}"] = vars(cls)[attr]
+    return found
+
+
+def test_linear_cross_entropy_wraps_model_methods_and_reverts() -> None:
+    from lck_megatron.patch import linear_cross_entropy_route
+
+    before = _model_methods()
+    gpt = "megatron.core.models.gpt.gpt_model.GPTModel._postprocess"
+    assert gpt in before
+    orig = _originals()
+    result = apply_lck_to_megatron(rms_norm=False, linear_cross_entropy=True)
+    route = linear_cross_entropy_route()
+    assert route is not None
+    assert sorted(result["linear_cross_entropy"]) == sorted(before)
+    wrapped = _model_methods()
+    for site, fn in wrapped.items():
+        assert fn is not before[site] and fn.lck_route is route, site
+        assert fn.__wrapped__ is before[site], site
+        assert inspect.signature(fn) == inspect.signature(before[site]), site
+    # Applying again keeps the same wrappers and sites; nothing else was touched.
+    assert apply_lck_to_megatron(rms_norm=False, linear_cross_entropy=True) == result
+    assert _model_methods() == wrapped
+    assert _mod("megatron.core.tensor_parallel").vocab_parallel_cross_entropy is orig["ce"]
+    assert _mod("megatron.core.transformer.torch_norm").WrappedTorchNorm is orig["norm"]
+
+    restored = revert_lck_from_megatron()
+    assert sorted(restored) == sorted(before)
+    after = _model_methods()
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert linear_cross_entropy_route() is None and applied() == {}
+
+
+@pytest.mark.parametrize(
+    "flag", ["rms_norm", "cross_entropy", "swiglu", "swiglu_in_place", "linear_cross_entropy"]
+)
 def test_flags_must_be_bool(flag: str) -> None:
     orig = _originals()
     with pytest.raises(TypeError, match=flag):

@@ -1,4 +1,5 @@
-"""TP=2 over gloo, two real processes: Megatron's MLP and vocab-parallel cross entropy, stock vs lck.
+"""TP=2 over gloo, two real processes: Megatron's MLP, vocab-parallel cross entropy and output layer + loss
+(``linear_cross_entropy``), stock vs lck.
 
 One spawned world runs every TP=2 case (importing megatron-core costs tens of seconds per process on the
 CPU machines). References are float64 and built from each rank's own shards, then summed over the
@@ -114,6 +115,48 @@ def _cross_entropy_cases(rank: int, group) -> int:
     return checked
 
 
+def _linear_cross_entropy_cases(rank: int, group) -> int:
+    """GPTModel._postprocess at TP=2, stock vs lck on the same model: without and with sequence parallelism,
+    untied and tied output weights, a mean (gradients prepared in the forward) then a masked loss."""
+    import torch
+    from _helpers import assert_close, build_gpt, run_postprocess, transformer_config
+
+    from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
+    from lck_megatron.patch import linear_cross_entropy_route
+
+    checked = 0
+    s, b, vocab = 8, 2, 96
+    for sp, tied in ((False, False), (True, True)):
+        torch.manual_seed(4321)  # the same weights, hidden states and labels on both ranks
+        model = build_gpt(
+            transformer_config(tensor_model_parallel_size=2), vocab_size=vocab, seq=s, tied=tied
+        )
+        hidden = torch.randn(s, b, model.config.hidden_size)
+        labels = torch.randint(0, vocab, (b, s))
+        upstream = {"mean": torch.full((b, s), 1.0 / (b * s)), "mask": (torch.rand(b, s) > 0.3).float()}
+        # Megatron's SP linear needs CUDA (a global memory buffer), and its local spec builds torch norms only
+        # without SP: the reference is the stock model without SP, whose hidden-state gradient (all-reduced
+        # over the group) sliced to this rank's sequence chunk is what the SP run must give.
+        stock = {name: run_postprocess(model, hidden, labels, g) for name, g in upstream.items()}
+        if sp:
+            model.output_layer.sequence_parallel, model.output_layer.allreduce_dgrad = True, False
+            chunk = slice(rank * s // 2, (rank + 1) * s // 2)
+            hidden = hidden[chunk]
+            for ref in stock.values():
+                ref["hidden grad"] = ref["hidden grad"][chunk]
+        apply_lck_to_megatron(rms_norm=False, linear_cross_entropy=True)
+        route = linear_cross_entropy_route()
+        for name, g in upstream.items():
+            out = run_postprocess(model, hidden, labels, g)
+            for key, ref in stock[name].items():
+                tag = f"rank {rank} sp={sp} tied={tied} {name} {key}"
+                assert_close(out[key], ref, torch.float32, name=tag, scale=4.0)
+            checked += 1
+        assert route.calls == {"lck": 2, "megatron": 0}, f"rank {rank}: {route.calls}"
+        revert_lck_from_megatron()
+    return checked
+
+
 def _tp2_worker(rank: int, world: int) -> dict[str, int]:
     from _helpers import init_megatron_parallel
     from megatron.core import parallel_state
@@ -122,13 +165,17 @@ def _tp2_worker(rank: int, world: int) -> dict[str, int]:
     try:
         group = parallel_state.get_tensor_model_parallel_group()
         assert group.size() == 2
-        return {"mlp": _mlp_cases(rank, group), "cross_entropy": _cross_entropy_cases(rank, group)}
+        return {
+            "mlp": _mlp_cases(rank, group),
+            "cross_entropy": _cross_entropy_cases(rank, group),
+            "linear_cross_entropy": _linear_cross_entropy_cases(rank, group),
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_tp2_mlp_and_cross_entropy_over_gloo() -> None:
+def test_tp2_mlp_cross_entropy_and_output_layer_over_gloo() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU TP=2 needs TRITON_INTERPRET=1 (Triton's interpreter)")
     out = run_workers(_tp2_worker, 2, timeout=900, env={"TRITON_INTERPRET": "1"})
-    assert out == [{"mlp": 8, "cross_entropy": 6}] * 2
+    assert out == [{"mlp": 8, "cross_entropy": 6, "linear_cross_entropy": 4}] * 2

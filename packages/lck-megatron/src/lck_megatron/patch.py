@@ -16,6 +16,10 @@ original object (identity, not name), recording ``(module, attribute, original)`
   wherever it is bound: the local spec provider's norm (``models.backends``), the final-layernorm
   slot (``transformer.transformer_block.LayerNormImpl`` and ``gpt_layer_specs.LNImpl`` when they are the
   torch norm), and the other local specs. TE and Apex norms are different objects and stay as they are.
+- Linear cross entropy: ``GPTModel._postprocess`` (and ``HybridModel.forward`` / ``MambaModel.forward`` where
+  the installed version defines them) are wrapped on their class; see :mod:`lck_megatron.linear_cross_entropy`.
+
+The record of patched sites (and Megatron's originals) lives in :mod:`lck_megatron._bindings`.
 
 Apply the patch on every rank before the model is built: modules built earlier keep what they were
 built with (the norms), and functions already captured in closures are not reached.
@@ -25,11 +29,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
-import threading
-from dataclasses import dataclass
 from typing import Any
 
+from lck_megatron._bindings import (
+    Applied,
+    Binding,
+    applied_features,
+    lock,
+    original,
+    rebind,
+    restore,
+)
 from lck_megatron._support import LogOnce, logger
 
 _SWIGLU_HOME = ("megatron.core.fusions.fused_bias_swiglu", "bias_swiglu_impl")
@@ -57,42 +67,17 @@ _CONSUMERS = {
         "megatron.core.models.backends",
         "megatron.core.models.gpt.gpt_layer_specs",
     ),
+    # Class methods, patched on the class that defines them (see lck_megatron.linear_cross_entropy).
+    "linear_cross_entropy": (
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.hybrid.hybrid_model",
+        "megatron.core.models.mamba.mamba_model",
+    ),
 }
 FEATURES = tuple(_CONSUMERS)
+__all__ = ["FEATURES", "Binding", "applied", "apply_lck_to_megatron", "original", "revert_lck_from_megatron"]
 
-
-@dataclass(frozen=True)
-class Binding:
-    """One rebinding made by the patch: ``module.attr`` held ``original`` and now holds ``replacement``."""
-
-    module: str
-    attr: str
-    original: Any
-    replacement: Any
-
-    @property
-    def site(self) -> str:
-        return f"{self.module}.{self.attr}"
-
-
-@dataclass
-class _Applied:
-    options: tuple[tuple[str, Any], ...]
-    pairs: list[tuple[Any, Any]]  # (original, replacement)
-    bindings: list[Binding]
-
-
-_lock = threading.RLock()
-_applied: dict[str, _Applied] = {}
 _log_once = LogOnce(logger, logging.INFO)
-
-
-def _megatron_modules() -> list[tuple[str, Any]]:
-    return [
-        (name, mod)
-        for name, mod in list(sys.modules.items())
-        if mod is not None and (name == "megatron" or name.startswith("megatron."))
-    ]
 
 
 def _import_consumers(feature: str) -> None:
@@ -103,65 +88,8 @@ def _import_consumers(feature: str) -> None:
             logger.debug("lck: %s not importable (%s); its bindings are not patched", name, exc)
 
 
-def _rebind(pairs: list[tuple[Any, Any]]) -> list[Binding]:
-    """Point every megatron global that is one of the originals at its replacement."""
-    made = []
-    for mod_name, mod in _megatron_modules():
-        namespace = getattr(mod, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
-            for original, replacement in pairs:
-                if value is original:
-                    setattr(mod, attr, replacement)
-                    made.append(Binding(mod_name, attr, original, replacement))
-                    break
-    return made
-
-
-def _restore(state: _Applied) -> list[str]:
-    restored = []
-    for b in state.bindings:
-        mod = sys.modules.get(b.module)
-        if mod is None:
-            continue
-        current = getattr(mod, b.attr, None)
-        if current is b.replacement:
-            setattr(mod, b.attr, b.original)
-            restored.append(b.site)
-        elif current is not b.original:
-            logger.warning(
-                "lck: %s was changed by someone else after lck patched it; leaving it as it is", b.site
-            )
-    # Megatron may copy a patched object into another global after the patch (the local spec
-    # provider assigns WrappedTorchNorm to backends.LNImpl when asked for an RMSNorm): restore those too.
-    for mod_name, mod in _megatron_modules():
-        namespace = getattr(mod, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
-            for original, replacement in state.pairs:
-                if value is replacement:
-                    setattr(mod, attr, original)
-                    restored.append(f"{mod_name}.{attr}")
-                    break
-    return restored
-
-
 def _home_value(home: tuple[str, str]) -> Any:
     return getattr(importlib.import_module(home[0]), home[1])
-
-
-def original(module: str, attr: str) -> Any:
-    """The object Megatron had at ``module.attr`` before lck's patch (the current value if unpatched)."""
-    if not isinstance(module, str) or not isinstance(attr, str):
-        raise TypeError("original: module and attr must be str")
-    with _lock:
-        for state in _applied.values():
-            for b in state.bindings:
-                if b.module == module and b.attr == attr:
-                    return b.original
-    return getattr(importlib.import_module(module), attr)
 
 
 def _make_pairs(feature: str, options: dict[str, Any]) -> list[tuple[Any, Any]]:
@@ -189,14 +117,39 @@ def _make_pairs(feature: str, options: dict[str, Any]) -> list[tuple[Any, Any]]:
     raise AssertionError(feature)
 
 
+def _patch_classes(route: Any) -> list[Binding]:
+    """Wrap each model method of ``linear_cross_entropy.HOMES`` that its class defines (not inherited) and
+    that takes ``labels``; methods already wrapped are left as they are."""
+    from lck_megatron.linear_cross_entropy import HOMES
+
+    made = []
+    for module, cls_name, attr in HOMES:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError) as exc:
+            logger.debug("lck: %s.%s not available (%s)", module, cls_name, exc)
+            continue
+        fn = vars(cls).get(attr)
+        if fn is None or getattr(fn, "lck_route", None) is not None:
+            continue
+        wrapper = route.wrap(fn)
+        if wrapper is None:
+            logger.debug("lck: %s.%s.%s takes no labels; left alone", module, cls_name, attr)
+            continue
+        setattr(cls, attr, wrapper)
+        made.append(Binding(f"{module}.{cls_name}", attr, fn, wrapper, owner=cls))
+    return made
+
+
 def apply_lck_to_megatron(
     rms_norm: bool = True,
     cross_entropy: bool = False,
     swiglu: bool = False,
     *,
     swiglu_in_place: bool = False,
+    linear_cross_entropy: bool = False,
 ) -> dict[str, list[str]]:
-    """Patch megatron-core so that its RMSNorm, cross-entropy and SwiGLU consumers run lck's kernels.
+    """Patch megatron-core so that its RMSNorm, cross-entropy, SwiGLU and output-layer consumers run lck.
 
     Args:
         rms_norm: torch RMSNorm built through ``WrappedTorchNorm`` (local specs, final layernorm) →
@@ -204,6 +157,11 @@ def apply_lck_to_megatron(
         cross_entropy: ``vocab_parallel_cross_entropy`` and ``fused_vocab_parallel_cross_entropy`` → lck.
         swiglu: ``bias_swiglu_impl`` → :class:`~lck_megatron.swiglu.LckMegatronSwiGLU`.
         swiglu_in_place: build that module with ``in_place=True`` (less activation memory; see its docs).
+        linear_cross_entropy: a language model called with labels (``GPTModel``, ``HybridModel``,
+            ``MambaModel``) computes its output projection and loss as lck's fused linear cross entropy,
+            never materialising the logits (:mod:`lck_megatron.linear_cross_entropy`). Takes precedence
+            over ``cross_entropy`` for those calls; calls it does not take keep Megatron's path (and so
+            ``cross_entropy``'s route, when that is patched too).
 
     A flag set to False leaves that part as it is (it does not undo an earlier patch; use
     :func:`revert_lck_from_megatron`). Idempotent: applying the same patch again rebinds only consumer
@@ -223,6 +181,7 @@ def apply_lck_to_megatron(
         "cross_entropy": cross_entropy,
         "swiglu": swiglu,
         "swiglu_in_place": swiglu_in_place,
+        "linear_cross_entropy": linear_cross_entropy,
     }
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -233,24 +192,31 @@ def apply_lck_to_megatron(
         raise ImportError(f"apply_lck_to_megatron: megatron-core is not importable ({exc})") from exc
 
     result: dict[str, list[str]] = {}
-    with _lock:
+    with lock:
         for feature in FEATURES:
             if not flags[feature]:
                 continue
             options = {"swiglu_in_place": swiglu_in_place} if feature == "swiglu" else {}
             key = tuple(sorted(options.items()))
-            state = _applied.get(feature)
+            state = applied_features.get(feature)
             if state is not None and state.options != key:
-                _restore(state)
-                del _applied[feature]
+                restore(state)
+                del applied_features[feature]
                 state = None
             _import_consumers(feature)
-            if state is None:
+            if feature == "linear_cross_entropy":
+                if state is None:
+                    from lck_megatron.linear_cross_entropy import LinearCrossEntropyRoute
+
+                    state = Applied(key, [], [], route=LinearCrossEntropyRoute())
+                    applied_features[feature] = state
+                state.bindings.extend(_patch_classes(state.route))
+            elif state is None:
                 pairs = _make_pairs(feature, options)
-                state = _Applied(key, pairs, _rebind(pairs))
-                _applied[feature] = state
+                state = Applied(key, pairs, rebind(pairs))
+                applied_features[feature] = state
             else:
-                state.bindings.extend(_rebind(state.pairs))
+                state.bindings.extend(rebind(state.pairs))
             sites = [b.site for b in state.bindings]
             result[feature] = sites
             opts = "".join(f", {k}={v}" for k, v in options.items())
@@ -263,12 +229,13 @@ def revert_lck_from_megatron() -> list[str]:
 
     Safe to call when nothing is patched (returns ``[]``) and to call twice. Sites that someone else
     changed after lck patched them are left alone, with a warning. Models built while patched keep the
-    modules they were built with. Returns the restored ``"module.attr"`` sites.
+    modules they were built with (their norms); the output-layer route is gone for every model. Returns
+    the restored ``"module.attr"`` sites.
     """
     restored: list[str] = []
-    with _lock:
-        for feature in list(_applied):
-            restored.extend(_restore(_applied.pop(feature)))
+    with lock:
+        for feature in list(applied_features):
+            restored.extend(restore(applied_features.pop(feature)))
     if restored:
         logger.info("lck: restored megatron-core at %d sites", len(restored))
     return restored
@@ -276,5 +243,13 @@ def revert_lck_from_megatron() -> list[str]:
 
 def applied() -> dict[str, list[str]]:
     """``{feature: ["module.attr", ...]}`` for the features currently patched."""
-    with _lock:
-        return {f: [b.site for b in s.bindings] for f, s in _applied.items()}
+    with lock:
+        return {f: [b.site for b in s.bindings] for f, s in applied_features.items()}
+
+
+def linear_cross_entropy_route() -> Any:
+    """The active :class:`~lck_megatron.linear_cross_entropy.LinearCrossEntropyRoute` (its ``calls`` and
+    ``fallback_reasons``), or None when ``linear_cross_entropy`` is not patched."""
+    with lock:
+        state = applied_features.get("linear_cross_entropy")
+        return None if state is None else state.route

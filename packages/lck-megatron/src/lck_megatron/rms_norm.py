@@ -83,7 +83,7 @@ class LckMegatronRMSNorm(nn.RMSNorm):
 
 def megatron_wrapped_torch_norm() -> type:
     """Megatron-Core's own ``WrappedTorchNorm``, even while lck's patch is applied."""
-    from lck_megatron.patch import original
+    from lck_megatron._bindings import original
 
     return original("megatron.core.transformer.torch_norm", "WrappedTorchNorm")
 
