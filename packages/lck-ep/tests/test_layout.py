@@ -105,7 +105,7 @@ def _env_clean(monkeypatch: pytest.MonkeyPatch) -> None:
     [(bits, *case) for bits in (64, 32, 16, 8) for case in GPU_CASES if case[2] <= 2 ** (bits - 1)],
 )
 def test_kernel_equals_torch_layout_bit_for_bit(bits, t, k, e, r, monkeypatch) -> None:
-    from lck_ep.jit import layout_kernel
+    from lck_ep.layout import layout_kernel
 
     _env_clean(monkeypatch)
     if bits != 64:
@@ -157,7 +157,7 @@ def test_kernel_writes_every_mask_element_and_adds_into_counts(monkeypatch) -> N
 @pytest.mark.gpu
 @pytest.mark.nvcc
 def test_kernel_launch_has_no_host_sync(monkeypatch) -> None:
-    from lck_ep.jit import layout_kernel
+    from lck_ep.layout import layout_kernel
 
     _env_clean(monkeypatch)
     idx = route("balanced", 4096, 8, 64, 8, torch.Generator().manual_seed(3)).cuda()
@@ -174,8 +174,8 @@ def test_kernel_launch_has_no_host_sync(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.nvcc
 def test_kernel_refuses_what_it_cannot_hold(monkeypatch) -> None:
-    from lck_ep.jit import layout_kernel
     from lck_ep.knobs import KnobError
+    from lck_ep.layout import layout_kernel
 
     _env_clean(monkeypatch)
     idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
@@ -196,7 +196,7 @@ def _layout_on_each_gpu(rank: int, world: int) -> list[str]:
     0); over gloo every rank shares the current GPU and the counts are gathered through the host."""
     import torch.distributed as dist
 
-    from lck_ep.jit import layout_kernel
+    from lck_ep.layout import layout_kernel
 
     errors: list[str] = []
     e = 64

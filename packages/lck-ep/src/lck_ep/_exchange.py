@@ -8,18 +8,16 @@ the Buffer, which computes it (and, in synced mode, exchanges its counts in the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lck_ep import reference
+from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
 from lck_ep.expanded import build_expanded, expanded_capacity, gather_expanded, reduce_expanded
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
-
-if TYPE_CHECKING:
-    from lck_ep.buffer import Buffer
 
 __all__ = [
     "Dispatched",
@@ -37,7 +35,7 @@ Dispatched = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DispatchHand
 
 
 def dispatch_synced(
-    buf: Buffer,
+    buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
     send_counts: list[int],
@@ -76,7 +74,7 @@ def dispatch_synced(
     return recv_x, got.recv_topk_idx, got.recv_topk_weights, handle
 
 
-def dispatch_sync_free(buf: Buffer, plan: DispatchPlan, layout: DispatchLayout) -> Dispatched:
+def dispatch_sync_free(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Dispatched:
     """A fresh sync-free dispatch: capacity-size outputs, counts on the device, no host read."""
     assert plan.topk_idx is not None
     big_l, nwt = buf.num_local_experts, plan.num_worst_tokens
@@ -110,7 +108,7 @@ def dispatch_sync_free(buf: Buffer, plan: DispatchPlan, layout: DispatchLayout) 
 
 
 def _handle(
-    buf: Buffer,
+    buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
     got: reference.Received,

@@ -14,6 +14,7 @@ import torch
 
 from lck_ep import reference
 from lck_ep._exchange import Dispatched, lay_out, maybe_expand
+from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
 from lck_ep.expanded import expanded_capacity, reduce_expanded
 from lck_ep.handle import DispatchHandle
@@ -30,7 +31,7 @@ def send_slots(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _receive(
-    st: NativeEp, buf: Any, rows: int, hidden: int, dtype: torch.dtype, meta: bool, weights: bool
+    st: NativeEp, buf: BufferView, rows: int, hidden: int, dtype: torch.dtype, meta: bool, weights: bool
 ) -> dict[str, Any]:
     dev, w, k = buf.device, buf.num_ranks, buf.num_topk
     out: dict[str, Any] = {
@@ -49,7 +50,7 @@ def _receive(
 
 
 def dispatch(
-    buf: Any,
+    buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
     counts: tuple[list[int], list[int], list[int]] | None,
@@ -130,7 +131,7 @@ def dispatch(
     return recv_x, got.recv_topk_idx, got.recv_topk_weights, handle
 
 
-def replay(buf: Any, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
+def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
     """``recv_x`` of a handle's dispatch replayed for new rows ``x`` (rows only, same slots)."""
     st: NativeEp = buf._native
     st.raise_if_failed()
@@ -147,7 +148,7 @@ def replay(buf: Any, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
     return maybe_expand(out["recv_x"], h)
 
 
-def combine(buf: Any, plan: CombinePlan) -> torch.Tensor:
+def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
     """``combined_x``: expanded rows reduced per received row (torch, as the reference), then the partials
     sent home and summed there in the reference order."""
     st: NativeEp = buf._native

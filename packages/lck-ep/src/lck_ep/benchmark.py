@@ -161,7 +161,7 @@ def _bench_shape(shape: Shape, rank: int, world: int, device: Any, attempt: Call
     w = torch.rand(shape.tokens, shape.num_topk, generator=g).to(device)
 
     if cuda and kernel_layout_available():
-        from lck_ep.jit import layout_kernel
+        from lck_ep.layout import layout_kernel
 
         attempt("layout", "lck_kernel", shape, lambda: layout_kernel(idx, num_experts, world), None)
     attempt("layout", "torch", shape, lambda: layout_reference(idx, num_experts, world), None)

@@ -9,15 +9,13 @@ call's parameters in the form the cross-rank agreement digests (:mod:`lck_ep.agr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lck_ep.agreement import dtype_code
+from lck_ep.buffer_view import BufferView
 from lck_ep.handle import DispatchHandle
-
-if TYPE_CHECKING:
-    from lck_ep.buffer import Buffer
 
 __all__ = ["CombinePlan", "DispatchPlan", "check_combine", "check_dispatch", "check_tensor"]
 
@@ -64,7 +62,7 @@ def _check_int(v: Any, name: str, *, where: str, low: int, high: int | None = No
     return v
 
 
-def check_handle(buffer: Buffer, handle: Any, *, where: str) -> DispatchHandle:
+def check_handle(buffer: BufferView, handle: Any, *, where: str) -> DispatchHandle:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(
             f"{where}: handle must be a DispatchHandle from Buffer.dispatch, got {type(handle).__name__}"
@@ -110,7 +108,7 @@ class DispatchPlan:
 
 
 def check_dispatch(
-    buffer: Buffer,
+    buffer: BufferView,
     x: Any,
     topk_idx: Any,
     topk_weights: Any,
@@ -232,7 +230,7 @@ class CombinePlan:
         ]
 
 
-def check_combine(buffer: Buffer, x: Any, handle: Any, topk_weights: Any, bias: Any) -> CombinePlan:
+def check_combine(buffer: BufferView, x: Any, handle: Any, topk_weights: Any, bias: Any) -> CombinePlan:
     where = "combine"
     dev, h = buffer.device, buffer.hidden
     handle = check_handle(buffer, handle, where=where)

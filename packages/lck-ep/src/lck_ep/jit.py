@@ -6,8 +6,8 @@ them before anything is compiled, and turns the set ones into defines. Loaded ke
 per (knobs, extra flags, device) in the process, and the JIT's cache key (source, header contents,
 every flag, nvcc version) keeps artifacts of different knob values apart on disk.
 
-The dispatch-layout kernel (:func:`layout_kernel`) computes the same :class:`~lck_ep.layout.DispatchLayout`
-as :func:`~lck_ep.layout.layout_reference`, bit for bit, with one launch and no host synchronisation.
+The dispatch-layout kernel is launched by :func:`lck_ep.layout.layout_kernel`, which imports this module
+(never the other way round).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lck_ep.codegen import LAYOUT_BLOCK_THREADS, KernelSpec, layout_spec
+from lck_ep.codegen import KernelSpec, layout_spec
 from lck_ep.knobs import EpKnobs, read_knobs
 
 __all__ = [
@@ -26,7 +26,8 @@ __all__ = [
     "check_layout_problem",
     "compile_layout_kernel",
     "current_layout_spec",
-    "layout_kernel",
+    "kernel_for",
+    "num_sms",
 ]
 
 # The layout kernel keeps one int per expert and per rank in shared memory; stay within the 48 KiB a
@@ -36,6 +37,7 @@ _TOPK_DTYPES = {64: "int64", 32: "int32", 16: "int16", 8: "int8"}
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
 _SMS: dict[int, int] = {}
+TOPK_DTYPES = _TOPK_DTYPES
 
 
 def check_layout_problem(
@@ -83,7 +85,7 @@ def build_layout_kernel(*, knobs: EpKnobs | None = None, arch: str | None = None
     return _jit().build(**spec.build_kwargs(), arch=arch)
 
 
-def _kernel_for(device_index: int, knobs: EpKnobs) -> Any:
+def kernel_for(device_index: int, knobs: EpKnobs) -> Any:
     key = (
         knobs,
         os.environ.get("EP_JIT_EXTRA_FLAGS", ""),
@@ -100,65 +102,10 @@ def _kernel_for(device_index: int, knobs: EpKnobs) -> Any:
     return kernel
 
 
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     n = _SMS.get(device_index)
     if n is None:
         import torch
 
         n = _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     return n
-
-
-def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
-    """The dispatch layout of ``topk_idx`` (CUDA, int64 ``[T, K]``) computed by the JIT layout kernel.
-
-    Same contract and result as :func:`lck_ep.layout.layout_reference`; runs on the current stream
-    without a host synchronisation (CUDA-graph safe once the kernel is loaded).
-    """
-    import torch
-
-    from lck_ep.layout import DispatchLayout, check_layout_args
-
-    check_layout_args(topk_idx, num_experts, num_ranks, where="layout_kernel")
-    if topk_idx.device.type != "cuda":
-        raise ValueError(f"layout_kernel: topk_idx must be a CUDA tensor, got device {topk_idx.device}")
-    num_tokens, num_topk = topk_idx.shape
-    knobs = check_layout_problem(num_experts=num_experts, num_ranks=num_ranks, num_topk=num_topk)
-    dev = topk_idx.device
-    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
-    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    mask = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
-    if num_tokens == 0:
-        return DispatchLayout(per_rank, per_expert, mask)
-    bits = knobs.topk_idx_bits
-    idx = topk_idx
-    if bits != 64:
-        # A narrower index type: map ignored entries to -1 first so the cast cannot wrap one of them
-        # into a valid expert index.
-        keep = (topk_idx >= -1) & (topk_idx < num_experts)
-        idx = torch.where(keep, topk_idx, -1).to(getattr(torch, _TOPK_DTYPES[bits]))
-    from lck_runtime.jit import I32
-
-    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = _kernel_for(device_index, knobs)
-    blocks = max(
-        1, min((num_tokens + LAYOUT_BLOCK_THREADS - 1) // LAYOUT_BLOCK_THREADS, 4 * _num_sms(device_index))
-    )
-    with torch.cuda.device(device_index):
-        kernel.launch(
-            (blocks, 1, 1),
-            (LAYOUT_BLOCK_THREADS, 1, 1),
-            [
-                idx,
-                I32(num_tokens),
-                I32(num_topk),
-                I32(num_experts),
-                I32(num_ranks),
-                per_rank,
-                per_expert,
-                mask,
-            ],
-            shared_mem=4 * (num_experts + num_ranks),
-            stream=torch.cuda.current_stream(dev),
-        )
-    return DispatchLayout(per_rank, per_expert, mask)

@@ -14,17 +14,19 @@ Entries outside ``[-1, E)`` are ignored like ``-1`` by both implementations belo
 input; :class:`lck_ep.Buffer` rejects such entries where it can check them without a host sync.
 
 Two implementations give bit-identical results: :func:`layout_reference` in plain torch (any device,
-no host synchronisation) and the JIT-compiled CUDA kernel (:func:`lck_ep.jit.layout_kernel`), which
+no host synchronisation) and the JIT-compiled CUDA kernel (:func:`layout_kernel`, built by :mod:`lck_ep.jit`), which
 :func:`get_dispatch_layout` picks for CUDA tensors when asked to.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DispatchLayout", "check_layout_args", "get_dispatch_layout", "layout_reference"]
+from lck_ep import jit
+
+__all__ = ["DispatchLayout", "check_layout_args", "get_dispatch_layout", "layout_kernel", "layout_reference"]
 
 
 class DispatchLayout(NamedTuple):
@@ -95,7 +97,60 @@ def get_dispatch_layout(
             raise ValueError(
                 f"get_dispatch_layout: use_kernel=True needs a CUDA topk_idx, got device {topk_idx.device}"
             )
-        from lck_ep.jit import layout_kernel
-
         return layout_kernel(topk_idx, num_experts, num_ranks)
     return layout_reference(topk_idx, num_experts, num_ranks)
+
+
+def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
+    """The dispatch layout of ``topk_idx`` (CUDA, int64 ``[T, K]``) computed by the JIT layout kernel.
+
+    Same contract and result as :func:`lck_ep.layout.layout_reference`; runs on the current stream
+    without a host synchronisation (CUDA-graph safe once the kernel is loaded).
+    """
+    check_layout_args(topk_idx, num_experts, num_ranks, where="layout_kernel")
+    if topk_idx.device.type != "cuda":
+        raise ValueError(f"layout_kernel: topk_idx must be a CUDA tensor, got device {topk_idx.device}")
+    num_tokens, num_topk = topk_idx.shape
+    knobs = jit.check_layout_problem(num_experts=num_experts, num_ranks=num_ranks, num_topk=num_topk)
+    dev = topk_idx.device
+    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    mask = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
+    if num_tokens == 0:
+        return DispatchLayout(per_rank, per_expert, mask)
+    bits = knobs.topk_idx_bits
+    idx = topk_idx
+    if bits != 64:
+        # A narrower index type: map ignored entries to -1 first so the cast cannot wrap one of them
+        # into a valid expert index.
+        keep = (topk_idx >= -1) & (topk_idx < num_experts)
+        idx = torch.where(keep, topk_idx, -1).to(getattr(torch, jit.TOPK_DTYPES[bits]))
+    from lck_runtime.jit import I32
+
+    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    kernel = jit.kernel_for(device_index, knobs)
+    blocks = max(
+        1,
+        min(
+            (num_tokens + jit.LAYOUT_BLOCK_THREADS - 1) // jit.LAYOUT_BLOCK_THREADS,
+            4 * jit.num_sms(device_index),
+        ),
+    )
+    with torch.cuda.device(device_index):
+        kernel.launch(
+            (blocks, 1, 1),
+            (jit.LAYOUT_BLOCK_THREADS, 1, 1),
+            [
+                idx,
+                I32(num_tokens),
+                I32(num_topk),
+                I32(num_experts),
+                I32(num_ranks),
+                per_rank,
+                per_expert,
+                mask,
+            ],
+            shared_mem=4 * (num_experts + num_ranks),
+            stream=torch.cuda.current_stream(dev),
+        )
+    return DispatchLayout(per_rank, per_expert, mask)
