@@ -271,6 +271,17 @@ def _guard(results: dict[str, list[str]], key: str, fn: Any, *args: Any) -> None
         results[key] = [f"{key} raised:\n{traceback.format_exc()}"]
 
 
+def _experts_not_multiple(group: Any, world: int) -> list[str]:
+    from lck_ep import MoEExperts
+
+    try:
+        MoEExperts(world + 2, H, F, group=group)
+    except ValueError as exc:
+        want = f"num_experts={world + 2} must be a multiple of the group size {world}"
+        return [] if want in str(exc) else [f"unexpected message: {exc}"]
+    return ["num_experts not a multiple of the group size was accepted"]
+
+
 def worker(rank: int, world: int, seed: int) -> dict[str, list[str]]:
     """Keys ``"<group size>:<check>"``. One process: every case through the local path with the runtime's
     stack, the stack contract, the Buffer path equal to the local one. Four processes: every case on the
@@ -291,6 +302,7 @@ def worker(rank: int, world: int, seed: int) -> dict[str, list[str]]:
     pair = pairs[rank // 2]
     for i, case in enumerate(CASES):
         _guard(results, f"2:{case.name}", check_case, case, rank % 2, 2, pair, seed + 101 * i + 7)
+    _guard(results, f"{world}:experts_not_multiple", _experts_not_multiple, world_group, world)
     _configure_stack()
     _guard(results, f"{world}:stack", stack_contract, rank, world, world_group, seed)
     _guard(results, f"{world}:stack_case", check_case, CASES[-1], rank, world, world_group, seed + 3)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,6 +46,10 @@ def test_layer_matches_float64(size: int, case: str) -> None:
 def test_retained_forward_stack(size: int) -> None:
     """max_inflight=2: overflow refused before dispatch, out-of-order backward refused, state unchanged."""
     _assert(size, "stack")
+
+
+def test_experts_must_divide_over_the_group() -> None:
+    _assert(4, "experts_not_multiple")
 
 
 def test_layer_through_the_stack_matches_float64() -> None:
@@ -166,6 +172,44 @@ def test_construction_errors(kwargs: dict[str, Any], exc: type, fragments: list[
     args = dict(num_experts=4, hidden_size=16, ffn_hidden_size=8) | kwargs
     n, h, f = args.pop("num_experts"), args.pop("hidden_size"), args.pop("ffn_hidden_size")
     _raises(exc, ["MoEExperts: ", *fragments], lambda: MoEExperts(n, h, f, **args))
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # another module of the session set it up
+        yield dist.group.WORLD
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def test_buffer_mismatch_errors(group) -> None:
+    from lck_ep import Buffer, MoEExperts
+
+    buf = Buffer(group, 4, 16, 2, 4)
+    _raises(
+        ValueError,
+        ["MoEExperts: buffer was built for num_experts=4, but num_experts=8"],
+        lambda: MoEExperts(8, 16, 8, buffer=buf),
+    )
+    _raises(
+        ValueError,
+        ["MoEExperts: buffer was built for hidden=16, but hidden_size=32"],
+        lambda: MoEExperts(4, 32, 8, buffer=buf),
+    )
+    _raises(
+        ValueError,
+        ["MoEExperts: device=cuda:0 differs from the buffer's device cpu"],
+        lambda: MoEExperts(4, 16, 8, buffer=buf, device="cuda:0"),
+    )
+    m = MoEExperts(4, 16, 8, buffer=buf, dtype=torch.float32)
+    assert m.group is group and m.weight1.shape == (4, 16, 16) and m.weight2.shape == (4, 8, 16)
 
 
 def test_forward_errors(interpret) -> None:

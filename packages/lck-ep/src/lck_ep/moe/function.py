@@ -82,13 +82,26 @@ def _per_slot(dw_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= 0, picked, 0.0)
 
 
-def _experts_fwd(x_e, w_e, w1, w2, ends):  # -> (h, y_e)
+def _experts_fwd(
+    x_e: torch.Tensor, w_e: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [M, 2F], y_e [M, H])``; ``act`` is not kept (the backward kernel writes it again)."""
     h = grouped.mm(x_e, w1, ends)
     act = launch.swiglu_weighted_fwd(h, w_e, ends)
     return h, grouped.mm(act, w2, ends)
 
 
-def _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends):  # -> (dx_e, dw_rows, dw1, dw2)
+def _experts_bwd(
+    x_e: torch.Tensor,
+    h: torch.Tensor,
+    w_e: torch.Tensor,
+    dy_e: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_e [M, H], dw_rows [M] float32, dw1 [L, H, 2F], dw2 [L, F, H])``, freeing each intermediate
+    as soon as its last GEMM has been enqueued."""
     dact = grouped.mm(dy_e, w2.transpose(1, 2), ends)
     dh, dw_rows, act = launch.swiglu_weighted_bwd(h, w_e, dact, ends)
     del dact
@@ -100,6 +113,8 @@ def _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends):  # -> (dx_e, dw_rows, dw1, dw
 
 
 class MoEFunction(torch.autograd.Function):
+    """``apply(x, topk_weights, weight1, weight2, topk_idx, plan)`` → ``[T, H]``; inputs checked by the module."""
+
     @staticmethod
     def forward(ctx, x, topk_weights, w1, w2, topk_idx, plan: Plan):  # type: ignore[override]
         check_room(plan.context if plan.retain else None)

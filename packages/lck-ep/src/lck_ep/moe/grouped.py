@@ -41,7 +41,7 @@ def _segments(ends: torch.Tensor) -> list[tuple[int, int]]:
 def mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``out[rows of j] = a[rows of j] @ b[j]``: ``a`` ``[M, K]``, ``b`` ``[E, K, N]`` (any of the two
     layouts in its last two dimensions) → ``[M, N]`` in ``a.dtype``; rows past ``ends[-1]`` undefined."""
-    if grouped_fast(a):
+    if grouped_fast(a) and a.shape[0]:
         return torch._grouped_mm(a, b, offs=ends)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
     segments = _segments(ends)
@@ -55,7 +55,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 def mm_weight_grad(a: torch.Tensor, g: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``out[j] = a[rows of j]^T @ g[rows of j]``: ``a`` ``[M, K]``, ``g`` ``[M, N]`` → ``[E, K, N]`` in
     ``a.dtype`` (zero for an expert without rows)."""
-    if grouped_fast(a):
+    if grouped_fast(a) and a.shape[0]:
         return torch._grouped_mm(a.t(), g, offs=ends)
     num = ends.numel()
     out = torch.zeros(num, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device)
