@@ -307,3 +307,81 @@ def worker(rank: int, world: int, seed: int) -> dict[str, list[str]]:
     _guard(results, f"{world}:stack", stack_contract, rank, world, world_group, seed)
     _guard(results, f"{world}:stack_case", check_case, CASES[-1], rank, world, world_group, seed + 3)
     return results
+
+
+def native_equals_local(rank: int, world: int, seed: int) -> list[str]:
+    """NVSHMEM PEs (several may share a GPU under MPS): the layer through a native-backend Buffer against
+    the no-communication layer holding every expert, run here on every rank's tokens at once; outputs
+    and gradients within bf16 tolerance, weight gradients of this rank's experts included."""
+    import lck_runtime as L
+    from lck_ep import Buffer, MoEExperts
+
+    errors: list[str] = []
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    e, h, f, t_max, k = 8 * world, 256, 128, 256, 8
+    cfg = L.MoEConfig(max_tokens=t_max, hidden_size=h, num_experts=e, top_k=k, max_inflight=2)
+    if not L.configure(moe=cfg):
+        return [f"rank {rank}: configure(moe=...) did not bring up the native (NVSHMEM) runtime"]
+    try:
+        g = torch.Generator().manual_seed(seed)
+        w1 = (torch.randn(e, h, 2 * f, generator=g) / h**0.5).bfloat16().to(dev)
+        w2 = (torch.randn(e, f, h, generator=g) / f**0.5).bfloat16().to(dev)
+        per_rank = []
+        for r in range(world):
+            t = t_max if r == 0 else int(torch.randint(1, t_max + 1, (1,), generator=g))
+            idx = torch.rand(t, e, generator=g).argsort(1)[:, :k]
+            idx = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, idx)
+            idx = torch.where(idx == 1, -1, idx)  # expert 1 (on rank 0) gets no token
+            per_rank.append(
+                (
+                    torch.randn(t, h, generator=g).bfloat16().to(dev),
+                    idx.to(dev),
+                    torch.rand(t, k, generator=g).to(dev),
+                    torch.randn(t, h, generator=g).bfloat16().to(dev),
+                )
+            )
+
+        def run(
+            m: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, dy: torch.Tensor
+        ) -> dict[str, Any]:
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = m(xr, idx, wr)
+            y.backward(dy)
+            return {"y": y, "dx": xr.grad, "dw": wr.grad, "dw1": m.weight1.grad, "dw2": m.weight2.grad}
+
+        local = MoEExperts(e, h, f, dtype=torch.bfloat16, device=dev)
+        with torch.no_grad():
+            local.weight1.copy_(w1)
+            local.weight2.copy_(w2)
+        cat = [torch.cat([p[i] for p in per_rank]) for i in range(4)]
+        want = run(local, *cat)
+        start = sum(p[0].shape[0] for p in per_rank[:rank])
+        rows = slice(start, start + per_rank[rank][0].shape[0])
+        lo, hi = rank * e // world, (rank + 1) * e // world
+        want = {
+            "y": want["y"][rows], "dx": want["dx"][rows], "dw": want["dw"][rows],
+            "dw1": want["dw1"][lo:hi], "dw2": want["dw2"][lo:hi],
+        }  # fmt: skip
+        for sync_free in (False, True):
+            buf = Buffer(dist.group.WORLD, t_max, h, k, e, sync_free=sync_free, device=dev, backend="nvshmem")
+            m = MoEExperts(e, h, f, buffer=buf, dtype=torch.bfloat16, device=dev, expert_alignment=16)
+            with torch.no_grad():
+                m.weight1.copy_(w1[lo:hi])
+                m.weight2.copy_(w2[lo:hi])
+            got = run(m, *per_rank[rank])
+            for name, ref in want.items():
+                scale = max(1.0, float(ref.abs().max()))
+                err = float((got[name].double() - ref.double()).abs().max())
+                if not err <= 2e-2 * scale:
+                    errors.append(
+                        f"rank {rank} sync_free={sync_free}: {name} max error {err:.3e} against the local layer"
+                    )
+            if L.moe_context(dist.group.WORLD).inflight != 0:
+                errors.append(f"rank {rank}: retained forwards left on the stack")
+            buf.check_errors()
+    except Exception:
+        errors.append(f"rank {rank} raised:\n{traceback.format_exc()}")
+    finally:
+        L.finalize()
+    return errors

@@ -15,9 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from _moe_worker import CASE_NAMES, cuda_buffer_equals_local, worker
+from _moe_worker import CASE_NAMES, cuda_buffer_equals_local, native_equals_local, worker
 
-from lck_runtime.testing import run_workers
+from lck_runtime.testing import (
+    SHARED_GPU_SKIP,
+    SINGLE_HOST_NVSHMEM_ENV,
+    mps_daemon_running,
+    run_workers,
+    shared_gpu_env,
+)
 
 SEED = int(os.environ.get("LCK_EP_TEST_SEED", random.randrange(1, 2**30)))
 _RUNS: dict[int, list[dict[str, list[str]]]] = {}
@@ -310,3 +316,22 @@ def test_cuda_buffer_path_equals_local_path() -> None:
     """One NCCL rank: MoEExperts through a Buffer (reference backend) equals the local path bit for bit."""
     (errors,) = run_workers(cuda_buffer_equals_local, 1, SEED, backend="nccl", timeout=600)
     assert not errors, f"seed {SEED}:\n" + "\n".join(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_native_backend_matches_local_layer(world: int) -> None:
+    """2 and 4 NVSHMEM PEs (sharing GPUs under MPS where fewer are lent), native-backend Buffer: outputs and
+    every gradient within bf16 tolerance of the no-communication layer, synced and sync-free."""
+    from lck_runtime.toolchain import find_nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("needs nvcc for the native kernels")
+    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER"}
+    if torch.cuda.device_count() < world:
+        if not mps_daemon_running():
+            pytest.skip(SHARED_GPU_SKIP)
+        env.update(shared_gpu_env(world, torch.cuda.device_count()))
+    outs = run_workers(native_equals_local, world, SEED, timeout=600, env=env)
+    errors = [e for per_rank in outs for e in per_rank]
+    assert not errors, f"seed {SEED}:\n" + "\n".join(errors[:40])
