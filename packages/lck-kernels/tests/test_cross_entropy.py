@@ -134,7 +134,8 @@ def check_against_reference(
     if in_place:
         x = x * 1  # a non-leaf buffer the gradient may overwrite
     loss = cross_entropy(x, target, reduction=reduction, in_place=in_place, **options)
-    assert loss.dtype == dtype and loss.shape == ((n,) if reduction == "none" else ())
+    # float32 whatever the logits' dtype (loss_dtype's default; test_loss_dtype checks the other choice)
+    assert loss.dtype == torch.float32 and loss.shape == ((n,) if reduction == "none" else ())
     # Seeded with the case (not the global generator, whose state depends on test order), and kept away
     # from 0: a tiny |grad_output| pushes a half-precision gradient into fp16's subnormals, where any
     # kernel's (and torch's) rounding is coarse; the tolerances are for the normal range.
@@ -686,7 +687,27 @@ def _bad_calls(device: str = DEVICE):
         ("reduction", ValueError, lambda: cross_entropy(x, t, reduction="avg")),
         ("return_z_loss", TypeError, lambda: cross_entropy(x, t, return_z_loss=1)),
         ("in_place", TypeError, lambda: cross_entropy(x, t, in_place="yes")),
+        ("loss_dtype", TypeError, lambda: cross_entropy(x, t, loss_dtype="float32")),
+        ("loss_dtype", ValueError, lambda: cross_entropy(x, t, loss_dtype=torch.float64)),
     ]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype(reduction: str) -> None:
+    """Half-precision logits give a float32 loss by default, or one rounded to their dtype when asked; the
+    gradient is the same either way."""
+    logits, target = make_case(16, 40, torch.bfloat16, seed=3)
+    out = {}
+    for loss_dtype in (torch.float32, torch.bfloat16):
+        x = logits.clone().requires_grad_(True)
+        loss = cross_entropy(x, target, reduction=reduction, loss_dtype=loss_dtype)
+        assert loss.dtype == loss_dtype
+        loss.sum().backward()
+        out[loss_dtype] = (loss.detach(), x.grad)
+    assert torch.equal(out[torch.float32][0].to(torch.bfloat16), out[torch.bfloat16][0])
+    assert torch.equal(out[torch.float32][1], out[torch.bfloat16][1])
+    module = LckCrossEntropyLoss(reduction=reduction, loss_dtype=torch.bfloat16)
+    assert module(logits, target).dtype == torch.bfloat16
 
 
 # Counted on CPU tensors: collection (and every spawned test worker that imports this module) must not

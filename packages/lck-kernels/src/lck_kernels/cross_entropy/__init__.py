@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, check_loss_options
+from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, check_loss_dtype, check_loss_options
 from lck_kernels.cross_entropy.ops import CrossEntropyFunction, CrossEntropyRowsFunction, cross_entropy_fwd
 
 
@@ -64,6 +64,7 @@ def cross_entropy(
     reduction: str = "mean",
     return_z_loss: bool = False,
     in_place: bool = False,
+    loss_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``logits`` against class indices ``target`` (semantics in the module docstring).
 
@@ -80,8 +81,10 @@ def cross_entropy(
         return_z_loss: also return the z-loss term alone (reduced the same way; not differentiable, for
             logging; it is already included in the loss).
         in_place: write the gradient into ``logits`` (see the module docstring).
+        loss_dtype: ``torch.float32`` (default; the loss is computed in float32, as torch computes it from
+            upcast logits) or ``logits.dtype`` to have it rounded to the logits' precision.
 
-    Returns the loss in ``logits.dtype`` (0-D, or ``[tokens]`` for ``"none"``), or ``(loss, z_loss)``.
+    Returns the loss in ``loss_dtype`` (0-D, or ``[tokens]`` for ``"none"``), or ``(loss, z_loss)``.
     Differentiable w.r.t. ``logits``. Raises ``TypeError``/``ValueError`` naming the argument for a wrong
     dtype, device, shape, stride or option.
     """
@@ -92,6 +95,7 @@ def cross_entropy(
     for name, flag in (("return_z_loss", return_z_loss), ("in_place", in_place)):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+    loss_dtype = check_loss_dtype(op, loss_dtype, logits.dtype)
     args = (logits, target, weight, ignore_index, float(label_smoothing), float(lse_square_scale))
     args += (float(softcap) if softcap is not None else 0.0, reduction)
     if not (torch.is_grad_enabled() and logits.requires_grad):
@@ -100,8 +104,8 @@ def cross_entropy(
         loss, z = CrossEntropyRowsFunction.apply(*args[:-1], in_place)
     else:
         loss, z = CrossEntropyFunction.apply(*args, in_place)
-    loss = loss.to(logits.dtype)
-    return (loss, z.to(logits.dtype)) if return_z_loss else loss
+    loss = loss.to(loss_dtype)
+    return (loss, z.to(loss_dtype)) if return_z_loss else loss
 
 
 class LckCrossEntropyLoss(torch.nn.Module):
@@ -120,6 +124,7 @@ class LckCrossEntropyLoss(torch.nn.Module):
         reduction: str = "mean",
         return_z_loss: bool = False,
         in_place: bool = False,
+        loss_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         check_loss_options(
@@ -146,6 +151,7 @@ class LckCrossEntropyLoss(torch.nn.Module):
             return_z_loss,
             in_place,
         )
+        self.loss_dtype = loss_dtype
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor):
         return cross_entropy(
@@ -159,6 +165,7 @@ class LckCrossEntropyLoss(torch.nn.Module):
             reduction=self.reduction,
             return_z_loss=self.return_z_loss,
             in_place=self.in_place,
+            loss_dtype=self.loss_dtype,
         )
 
     def extra_repr(self) -> str:

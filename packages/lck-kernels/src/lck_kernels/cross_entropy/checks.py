@@ -18,6 +18,18 @@ REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = (torch.int64, torch.int32)
 
 
+def check_loss_dtype(op: str, loss_dtype: object, input_dtype: torch.dtype) -> torch.dtype:
+    """``loss_dtype`` must be float32 (the default: the losses are computed in float32) or the input's dtype
+    (rounding the loss to it, as lck returned it before float32 became the default)."""
+    if not isinstance(loss_dtype, torch.dtype):
+        raise TypeError(f"{op}: loss_dtype must be a torch.dtype, got {type(loss_dtype).__name__}")
+    if loss_dtype not in (torch.float32, input_dtype):
+        raise ValueError(
+            f"{op}: loss_dtype must be torch.float32 or the input's dtype {input_dtype}, got {loss_dtype}"
+        )
+    return loss_dtype
+
+
 def check_loss_options(
     op: str,
     *,

@@ -8,8 +8,8 @@ budget and the precision choices are described in ``launch.py`` (the chunked eng
 backward is a device-side rescale that costs one launch when the incoming gradient is 1; for
 ``reduction="none"`` the forward keeps each token's log-sum-exp and the backward recomputes the logits (four
 GEMMs per token). Inputs that do not require grad skip their GEMMs; without any grad the forward is one GEMM
-per token. Extra memory is the logits chunk (``chunk_bytes``, default 512 MiB) plus ``[tokens]`` float32
-rows, at any token count.
+per token. Extra memory is the logits chunk (``chunk_bytes``, default 128 MiB) plus ``[tokens]`` float32
+rows, at any token count. The loss is float32 (``loss_dtype=x.dtype`` rounds it to the input's precision).
 
 ``fused_linear_scaled_cross_entropy``: with ``z = inverse_temperature · (x @ weight.T (+ bias))`` over the
 vocabulary, per token::
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels.cross_entropy.checks import check_loss_options
+from lck_kernels.cross_entropy.checks import check_loss_dtype, check_loss_options
 from lck_kernels.linear_cross_entropy.checks import (
     check_chunking,
     check_flag,
@@ -106,6 +106,7 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     chunk_bytes: int | None = None,
     max_chunk_tokens: int | None = None,
+    loss_dtype: torch.dtype = torch.float32,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``cross_entropy(x @ weight.T + bias, target, ...)`` computed chunk by chunk.
 
@@ -118,10 +119,12 @@ def fused_linear_cross_entropy(
         class_weight: optional ``[vocab]`` float class weights (``weight`` of ``F.cross_entropy``).
         ignore_index, label_smoothing, lse_square_scale, softcap, reduction, return_z_loss: as in
             :func:`lck_kernels.cross_entropy.cross_entropy`.
-        chunk_bytes: budget of the logits chunk buffer in bytes (default 512 MiB).
+        chunk_bytes: budget of the logits chunk buffer in bytes (default 128 MiB).
         max_chunk_tokens: an upper bound on tokens per chunk (e.g. for tests or tuning).
+        loss_dtype: ``torch.float32`` (default; the loss is computed in float32) or ``x.dtype`` to have it
+            rounded to the input's precision.
 
-    Returns the loss in ``x.dtype`` (0-D, or ``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
+    Returns the loss in ``loss_dtype`` (0-D, or ``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
     Differentiable w.r.t. ``x``, ``weight`` and ``bias``. Raises ``TypeError``/``ValueError`` naming the
     argument for a wrong dtype, device, shape, stride or option.
     """
@@ -138,6 +141,7 @@ def fused_linear_cross_entropy(
     )
     check_chunking(op, chunk_bytes, max_chunk_tokens)
     check_flag(op, "return_z_loss", return_z_loss)
+    loss_dtype = check_loss_dtype(op, loss_dtype, x.dtype)
     chunk = plan_chunk_tokens(
         x2.shape[0],
         weight.shape[0],
@@ -159,8 +163,8 @@ def fused_linear_cross_entropy(
         )
     if reduction == "none":
         loss, z = loss.view(target.shape), z.view(target.shape)
-    loss = loss.to(x.dtype)
-    return (loss, z.to(x.dtype)) if return_z_loss else loss
+    loss = loss.to(loss_dtype)
+    return (loss, z.to(loss_dtype)) if return_z_loss else loss
 
 
 class LckFusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -180,6 +184,7 @@ class LckFusedLinearCrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         chunk_bytes: int | None = None,
         max_chunk_tokens: int | None = None,
+        loss_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         op = "LckFusedLinearCrossEntropyLoss"
@@ -204,6 +209,7 @@ class LckFusedLinearCrossEntropyLoss(torch.nn.Module):
             "return_z_loss": return_z_loss,
             "chunk_bytes": chunk_bytes,
             "max_chunk_tokens": max_chunk_tokens,
+            "loss_dtype": loss_dtype,
         }
 
     def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):

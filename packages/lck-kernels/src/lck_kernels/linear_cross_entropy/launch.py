@@ -15,8 +15,8 @@ gradient GEMMs. Two schedules:
   so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
   four GEMMs per token.
 
-Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 512 MiB, gives the chunk length;
-2048 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
+Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 128 MiB, gives the chunk length;
+512 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
 the ``[tokens]`` rows and the gradients themselves. ``grad_W`` accumulates in ``W``'s dtype through
 ``addmm`` (fp32 inside each GEMM, one rounding per chunk): an fp32 accumulator would add ``4·V·H`` bytes
 (2 GiB at 128256 × 4096), four times the logits budget, for little: measured against float64 on bf16
@@ -46,7 +46,10 @@ from lck_kernels.cross_entropy.launch import (
 
 Tensor = torch.Tensor
 
-DEFAULT_CHUNK_BYTES = 512 * 2**20
+# 128 MiB: 512 tokens of bf16 logits at a 128256 vocabulary, a quarter of the 512 MiB this was before; the
+# chunk GEMMs keep 512 rows (grad_W's a K of 512). benchmarks/flce_working_set.py measures the time this
+# costs against larger budgets; chunk_bytes chooses another point.
+DEFAULT_CHUNK_BYTES = 128 * 2**20
 CHUNK_ALIGN = 128  # chunk lengths are multiples of this where possible: whole GEMM tiles
 
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from lck_kernels._common import check_choice
+from lck_kernels.cross_entropy.checks import check_loss_dtype
 from lck_kernels.vocab_parallel.checks import FLSCE_OP
 from lck_kernels.vocab_parallel.flsce_ops import _vp_flsce_fwd, chunk_rows
 from lck_kernels.vocab_parallel.group import group_name_of
@@ -99,6 +100,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
     reduction: str = "none",
+    loss_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Cross entropy of logits sharded over the vocabulary across ``group`` (collective over ``group``).
 
@@ -114,8 +116,9 @@ def vocab_parallel_cross_entropy(
         ignore_index: targets equal to it give loss 0 and a zero gradient.
         reduction: ``"none"`` (per-token, shaped like ``target``), ``"sum"`` or ``"mean"`` (over the
             non-ignored targets; NaN when all are ignored, as in torch).
+        loss_dtype: ``torch.float32`` (default) or ``logits_shard.dtype`` to have the loss rounded to it.
 
-    Returns the loss in ``logits_shard.dtype`` (computed in float32), equal to
+    Returns the loss in ``loss_dtype`` (computed in float32), equal to
     ``F.cross_entropy(gathered_logits, target, ...)`` within rounding. Differentiable w.r.t.
     ``logits_shard``; the backward is local (no communication).
 
@@ -136,12 +139,13 @@ def vocab_parallel_cross_entropy(
     for arg, value in (("logits_shard", logits_shard), ("target", target)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{OP}: {arg} must be a torch.Tensor, got {type(value).__name__}")
+    loss_dtype = check_loss_dtype(OP, loss_dtype, logits_shard.dtype)
     loss, _ = _vp_cross_entropy_fwd(logits_shard, target, name, float(label_smoothing), int(ignore_index))
     if reduction == "sum":
         loss = loss.sum()
     elif reduction == "mean":
         loss = loss.sum() / (target != ignore_index).sum()
-    return loss.to(logits_shard.dtype)
+    return loss.to(loss_dtype)
 
 
 class LckVocabParallelCrossEntropy(torch.nn.Module):
@@ -154,6 +158,7 @@ class LckVocabParallelCrossEntropy(torch.nn.Module):
         label_smoothing: float = 0.0,
         ignore_index: int = -100,
         reduction: str = "none",
+        loss_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))
@@ -163,6 +168,7 @@ class LckVocabParallelCrossEntropy(torch.nn.Module):
             ignore_index,
             reduction,
         )
+        self.loss_dtype = loss_dtype
 
     def forward(self, logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(
@@ -172,6 +178,7 @@ class LckVocabParallelCrossEntropy(torch.nn.Module):
             label_smoothing=self.label_smoothing,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
+            loss_dtype=self.loss_dtype,
         )
 
 

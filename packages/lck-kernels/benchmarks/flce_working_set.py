@@ -1,0 +1,127 @@
+"""The fused linear cross entropy's chunk budget: time against working set, on one GPU.
+
+For each ``chunk_bytes`` budget, one forward+backward of ``fused_linear_cross_entropy`` (reduction mean; the
+gradients-in-the-forward schedule) and of ``fused_linear_scaled_cross_entropy`` (reduction sum, what
+lck-megatron's output-layer route runs), back to back through ``torch.autograd.grad``: median time, and the
+peak memory beyond the inputs and the gradients (the working set: the ``[chunk, vocab]`` logits buffer plus
+per-token rows). Shapes: 8192×4096→128256 (the issue's anchor) and 8192×2048→128256 (the demo's output
+layer), bf16. Prints a table with each budget's time relative to 512 MiB and writes
+``flce-working-set-<gpu>-<date>.json`` into ``--out`` (default ``$OUT`` or the current folder).
+
+    python packages/lck-kernels/benchmarks/flce_working_set.py [--budgets 512 256 128 64] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = ((8192, 4096, 128256), (8192, 2048, 128256))
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _extra_peak(fn, grads_bytes: int) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.max_memory_allocated() - base - grads_bytes
+
+
+def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int) -> list[dict]:
+    import lck_kernels
+
+    x = (torch.randn(n, h, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda") * h**-0.5).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device="cuda")
+    grads_bytes = (x.numel() + w.numel()) * 2
+
+    def plain(mib: int) -> torch.Tensor:
+        return lck_kernels.fused_linear_cross_entropy(x, w, t, chunk_bytes=mib << 20)
+
+    def scaled(mib: int) -> torch.Tensor:
+        return lck_kernels.fused_linear_scaled_cross_entropy(x, w, t, reduction="sum", chunk_bytes=mib << 20)[
+            0
+        ]
+
+    rows = []
+    for name, op in (
+        ("fused_linear_cross_entropy(mean)", plain),
+        ("fused_linear_scaled_cross_entropy(sum)", scaled),
+    ):
+        base_ms = None
+        for mib in budgets:
+
+            def step(mib: int = mib, op=op):
+                return torch.autograd.grad(op(mib), (x, w))
+
+            ms = _time(step, iters)
+            extra = _extra_peak(step, grads_bytes)
+            base_ms = ms if base_ms is None else base_ms
+            row = {
+                "op": name,
+                "shape": f"{n}x{h}x{v}",
+                "chunk_mib": mib,
+                "median_ms": ms,
+                "relative_to_first": ms / base_ms,
+                "extra_peak_mib": extra / 2**20,
+            }
+            rows.append(row)
+            print(
+                f"{name:<40} {row['shape']:<18} chunk {mib:>4} MiB  {ms:8.2f} ms  "
+                f"({row['relative_to_first']:.3f}x)  working set {row['extra_peak_mib']:7.1f} MiB",
+                flush=True,
+            )
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budgets", type=int, nargs="+", default=[512, 256, 192, 128, 96, 64], help="MiB")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for n, h, v in SHAPES:
+        rows += _shape_rows(n, h, v, args.budgets, args.iters)
+        torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
+    out = args.out / f"flce-working-set-{gpu}-{time.strftime('%Y-%m-%d')}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "rows": rows,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": os.environ.get("LCK_COMMIT", "unknown"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
