@@ -9,7 +9,7 @@ What ``torch._grouped_mm`` needs here (aten's ``GroupedMMUtils.h`` / ``GroupMMCo
 column-major in its last two dimensions with the leading stride a multiple of 16 bytes (bf16: hidden and
 ffn multiples of 8). Segment sizes need no alignment for these layouts: the activations' row offsets move
 along their outer dimension, and in the weight gradient (2-D × 2-D, A column-major, B row-major) empty
-segments are allowed and give zero matrices. The bf16 kernel reads the offsets on the device (no host
+segments are allowed: zero matrices on SM90, not on SM100 (pytorch issue 172439), where they are cleared. The bf16 kernel reads the offsets on the device (no host
 synchronisation); other dtypes on CUDA take the loop here, which reads them on the host.
 """
 
@@ -19,10 +19,17 @@ import functools
 
 import torch
 
+from lck_ep.moe import launch
+
 
 @functools.cache
 def _fast_device(index: int) -> bool:
     return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+@functools.cache
+def _blackwell(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 10
 
 
 def grouped_fast(a: torch.Tensor) -> bool:
@@ -56,7 +63,12 @@ def mm_weight_grad(a: torch.Tensor, g: torch.Tensor, ends: torch.Tensor) -> torc
     """``out[j] = a[rows of j]^T @ g[rows of j]``: ``a`` ``[M, K]``, ``g`` ``[M, N]`` → ``[E, K, N]`` in
     ``a.dtype`` (zero for an expert without rows)."""
     if grouped_fast(a) and a.shape[0]:
-        return torch._grouped_mm(a.t(), g, offs=ends)
+        out = torch._grouped_mm(a.t(), g, offs=ends)
+        if _blackwell(a.device):
+            # torch._grouped_mm leaves an empty group's weight gradient nonzero on SM100 (pytorch issue
+            # 172439; zero on SM90): clear those experts, programs of the others return at once.
+            launch.zero_empty_experts(out, ends)
+        return out
     num = ends.numel()
     out = torch.zeros(num, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device)
     for j, (s, e) in enumerate(_segments(ends)):

@@ -114,4 +114,19 @@ def _reduce_rows_kernel(
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _zero_empty_experts_kernel(
+    out_ptr, ends_ptr, per_expert, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Zero ``out[j]`` (``per_expert`` elements) when expert j's segment is empty; other programs return
+    at once. Grid ``(E, SPLITS)``: each program clears one strided share of its expert."""
+    j = tl.program_id(0)
+    start = tl.load(ends_ptr + j - 1, mask=j > 0, other=0)
+    if tl.load(ends_ptr + j) == start:
+        base = out_ptr + j.to(tl.int64) * per_expert
+        for off in range(tl.program_id(1) * BLOCK, per_expert, SPLITS * BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            tl.store(base + cols, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=cols < per_expert)
+
+
 # fmt: on

@@ -150,5 +150,19 @@ def reduce_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def zero_empty_experts(out: torch.Tensor, ends: torch.Tensor) -> None:
+    """``out[j] = 0`` for every expert j whose segment (``ends[j-1]..ends[j]``) is empty; reads the ends on
+    the device (no host synchronisation)."""
+    num, per = out.shape[0], out[0].numel() if out.shape[0] else 0
+    if num == 0 or per == 0:
+        return
+    if not use_triton(out):
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        keep = (ends > starts).view(-1, *([1] * (out.dim() - 1)))
+        out.copy_(torch.where(keep, out, torch.zeros((), dtype=out.dtype)))
+        return
+    _kernels()._zero_empty_experts_kernel[(num, 16)](out, ends, per, SPLITS=16, BLOCK=1024, num_warps=4)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
