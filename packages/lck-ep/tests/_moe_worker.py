@@ -131,12 +131,20 @@ def run_layer(m: Any, rank: int, inputs: dict[str, Any]) -> dict[str, torch.Tens
     return {"y": y.detach(), "dx": xf.grad, "dw": wf.grad, "dw1": m.weight1.grad, "dw2": m.weight2.grad}
 
 
-def check_case(case: Case, rank: int, world: int, group: Any, seed: int) -> list[str]:
-    where = f"{case.name} (world {world}, rank {rank}, seed {seed})"
+def check_case(
+    case: Case, rank: int, world: int, group: Any, seed: int, sync_free: bool = False
+) -> list[str]:
+    """One case against float64; ``sync_free`` moves tokens through a sync-free Buffer made here."""
+    where = f"{case.name} (world {world}, rank {rank}, seed {seed}{', sync-free' if sync_free else ''})"
     errors: list[str] = []
     inputs = make_inputs(case, world, seed)
     ref = reference(inputs)
-    got = run_layer(_module(rank, world, group, inputs, case), rank, inputs)
+    buf = None
+    if sync_free:
+        from lck_ep import Buffer
+
+        buf = Buffer(group, T_MAX, H, case.num_topk, E, sync_free=True)
+    got = run_layer(_module(rank, world, group, inputs, case, buffer=buf), rank, inputs)
     lo, hi = rank * E // world, (rank + 1) * E // world
     _close(errors, where, "output", got["y"], ref["y"][rank])
     _close(errors, where, "x.grad", got["dx"], ref["dx"][rank])
@@ -298,6 +306,10 @@ def worker(rank: int, world: int, seed: int) -> dict[str, list[str]]:
         return results
     for i, case in enumerate(CASES):
         _guard(results, f"{world}:{case.name}", check_case, case, rank, world, world_group, seed + 101 * i)
+    for i in (1, 6):  # two aligned cases through sync-free Buffers (capacity-sized expanded rows)
+        case = CASES[i]
+        key = f"{world}:sync_free_{case.name}"
+        _guard(results, key, check_case, case, rank, world, world_group, seed + 11 * i, True)
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
     pair = pairs[rank // 2]
     for i, case in enumerate(CASES):

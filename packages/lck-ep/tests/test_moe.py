@@ -54,6 +54,11 @@ def test_retained_forward_stack(size: int) -> None:
     _assert(size, "stack")
 
 
+@pytest.mark.parametrize("case", ["top2_align4", "top7_align8"])
+def test_layer_through_sync_free_buffers_matches_float64(case: str) -> None:
+    _assert(4, f"sync_free_{case}")
+
+
 def test_experts_must_divide_over_the_group() -> None:
     _assert(4, "experts_not_multiple")
 
