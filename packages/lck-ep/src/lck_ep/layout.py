@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lck_ep import jit
+from lck_ep.codegen import LAYOUT_BLOCK_THREADS
 
 __all__ = ["DispatchLayout", "check_layout_args", "get_dispatch_layout", "layout_kernel", "layout_reference"]
 
@@ -132,14 +133,14 @@ def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
     blocks = max(
         1,
         min(
-            (num_tokens + jit.LAYOUT_BLOCK_THREADS - 1) // jit.LAYOUT_BLOCK_THREADS,
+            (num_tokens + LAYOUT_BLOCK_THREADS - 1) // LAYOUT_BLOCK_THREADS,
             4 * jit.num_sms(device_index),
         ),
     )
     with torch.cuda.device(device_index):
         kernel.launch(
             (blocks, 1, 1),
-            (jit.LAYOUT_BLOCK_THREADS, 1, 1),
+            (LAYOUT_BLOCK_THREADS, 1, 1),
             [
                 idx,
                 I32(num_tokens),
