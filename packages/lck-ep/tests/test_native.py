@@ -21,7 +21,7 @@ from lck_runtime.testing import (
     shared_gpu_env,
 )
 
-TIMEOUT = 240
+TIMEOUT = 150
 
 
 # ---------------------------------------------------------------------------------------- CPU: selection
@@ -148,7 +148,7 @@ def test_native_equals_reference_bit_for_bit(world: int) -> None:
 
     _need(world)
     seed = random.randrange(1, 2**30)
-    outs = run_workers(suite, world, seed, timeout=600, env=_gpu_env(world))
+    outs = run_workers(suite, world, seed, timeout=300, env=_gpu_env(world))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
