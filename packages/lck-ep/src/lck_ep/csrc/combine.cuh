@@ -155,10 +155,7 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
       else reduce_token<T, 1>(a, t, lane, self_start);
     }
   }
-  finish_grid(a.done, [&] {
-    if (threadIdx.x == 0 && !failed(a.status))
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(a.my_sig + a.me * kSignalWords + kOpsDone), op);
-  });
+  finish_receive(a.done, a.my_sig, a.me, op, a.status);
 }
 
 }  // namespace lck_ep

@@ -173,10 +173,7 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
       }
     }
   }
-  finish_grid(a.done, [&] {
-    if (threadIdx.x == 0 && !failed(a.status))
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(a.my_sig + a.me * kSignalWords + kOpsDone), op);
-  });
+  finish_receive(a.done, a.my_sig, a.me, op, a.status);
 }
 
 }  // namespace lck_ep

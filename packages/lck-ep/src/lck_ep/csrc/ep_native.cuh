@@ -89,6 +89,21 @@ __device__ __forceinline__ unsigned long long current_op(const long long* my_sig
              *reinterpret_cast<const volatile long long*>(my_signals + me * kSignalWords + kOpsDone)) + 1ull;
 }
 
+// Warp-strided 16-byte moves in batches of U per lane (all U loads issued before the stores), from int4
+// index i while a whole batch fits below m; returns where it stopped.
+template <int U>
+__device__ __forceinline__ long long copy_batches(int4* __restrict__ d, const int4* __restrict__ s, long long i,
+                                                  long long m) {
+  for (; i + 32 * (U - 1) < m; i += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldg(s + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) d[i + 32 * u] = v[u];
+  }
+  return i;
+}
+
 // Copy n bytes (a multiple of 2) with one warp: 16-byte moves when both ends and n allow it.
 __device__ __forceinline__ void warp_copy(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, long long n,
                                           int lane) {
@@ -96,23 +111,11 @@ __device__ __forceinline__ void warp_copy(uint8_t* __restrict__ dst, const uint8
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
     const long long m = n >> 4;
-    long long i = lane;
-    // Eight independent 16-byte loads in flight per lane (4 KiB per warp): a copy between PEs is bound by
-    // the bytes in flight, and a channel is one block, so each warp must keep many requests open.
-    for (; i + 224 < m; i += 256) {
-      int4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldg(s + i + 32 * u);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) d[i + 32 * u] = v[u];
-    }
-    for (; i + 96 < m; i += 128) {
-      int4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldg(s + i + 32 * u);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) d[i + 32 * u] = v[u];
-    }
+    // Eight independent 16-byte loads in flight per lane (4 KiB per warp), then four, then one: a copy
+    // between PEs is bound by the bytes in flight, and a channel is one block, so each warp keeps many
+    // requests open.
+    long long i = copy_batches<8>(d, s, lane, m);
+    i = copy_batches<4>(d, s, i, m);
     for (; i < m; i += 32) d[i] = __ldg(s + i);
   } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n)) & 3u) == 0) {
     const int* s = reinterpret_cast<const int*>(src);
@@ -153,6 +156,15 @@ __device__ __forceinline__ void finish_grid(unsigned int* done, Last last) {
     __syncthreads();
     if (threadIdx.x == 0) *done = 0u;  // ready for the next launch (stream-ordered)
   }
+}
+
+// End of a receiving kernel: once every block is done reading, publish that this member finished `op`.
+__device__ __forceinline__ void finish_receive(unsigned int* done, long long* my_signals, int me,
+                                               unsigned long long op, const long long* status) {
+  finish_grid(done, [&] {
+    if (threadIdx.x == 0 && !failed(status))
+      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(my_signals + me * kSignalWords + kOpsDone), op);
+  });
 }
 
 // Token-row counts of the W sources, read from the arrival words once they carry this operation, and
