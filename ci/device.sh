@@ -3,7 +3,8 @@
 # logs and result files under $OUT (at most a few files come back, so everything goes in one tarball
 # plus a summary).
 #
-#   bash ci/device.sh [STAGE[:SECONDS][~KSEL]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1)
+#   bash ci/device.sh [STAGE[:SECONDS][~KSEL]]...   ("a+b,c": a on GPU 0 while b then c run on GPU 1;
+#                                                   "a@b,c": a beside b then c on the same GPUs, for tests)
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-bench-x ($BENCH_ARGS), kernels-tune, host,
 #           flce-clocks, ep, ep-bench, tp, runtime-g (single-GPU tests selected by KSEL),
 #           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
@@ -109,7 +110,13 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
 }
 
 for s in "$@"; do
-  if [[ $s == *+* ]]; then  # "a+b": run side by side, one GPU each (CUDA_VISIBLE_DEVICES=0, 1, ...)
+  if [[ $s == *@* ]]; then  # "a@b": side by side on the same GPU(s) (tests only: timings would disturb each other)
+    IFS=@ read -ra parts <<< "$s"
+    for p in "${parts[@]}"; do
+      (IFS=, read -ra seq <<< "$p"; for q in "${seq[@]}"; do run_stage "$q"; done) &
+    done
+    wait
+  elif [[ $s == *+* ]]; then  # "a+b": run side by side, one GPU each (CUDA_VISIBLE_DEVICES=0, 1, ...)
     IFS=+ read -ra parts <<< "$s"
     i=0
     for p in "${parts[@]}"; do
