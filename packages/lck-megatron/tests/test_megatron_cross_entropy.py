@@ -86,9 +86,9 @@ def _check_route(
     ref = megatron_ce_reference(x64, target, smoothing)
     ref.backward(dloss.double())
     for name, (loss, grad) in results.items():
-        # Megatron computes in float32 from the (rounded) logits; lck returns the loss rounded to the logits'
-        # dtype. Megatron's fused variant always returns a bfloat16 gradient.
-        loss_dtype = dtype if name == "lck" else torch.float32
+        # Both compute the loss in float32 from the (rounded) logits and return it in float32. Megatron's
+        # fused variant always returns a bfloat16 gradient.
+        loss_dtype = torch.float32
         grad_dtype = torch.bfloat16 if (name == "megatron" and kind == "fused") else dtype
         assert_close(loss, ref, loss_dtype, name=f"{name} {kind} loss")
         assert_close(grad, x64.grad, grad_dtype, name=f"{name} {kind} logits gradient")

@@ -4,7 +4,7 @@ Two model families, each built twice from the same initial weights:
 - a plain-PyTorch GPT whose norms, SwiGLU MLPs and loss are either torch's or lck's modules (used on the
   CPU, and on a GPU without megatron-core);
 - a Megatron-Core ``GPTModel`` with the local layer spec, built stock or after
-  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True)``.
+  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True)``.
 The data is a fixed random Markov chain over the vocabulary (:class:`MarkovChain`): every token has a few
 likely successors, drawn Zipf-distributed, so a small model learns it from the first steps and the loss
 falls from ``ln(vocab)`` to near the chain's entropy within the demo's steps.
@@ -36,6 +36,24 @@ class ModelShape:
     vocab: int
     dtype: torch.dtype
     lr: float
+    tied: bool = False  # input embedding and output layer share one weight
+
+
+# name -> (shape, default steps). Each run is timed per step; "about two minutes" for stock + patched
+# together is what the GPU presets aim at on one H200, compilation included.
+PRESETS: dict[str, tuple[ModelShape, int]] = {
+    # Sized for the 2-core CPU machines: Triton's interpreter costs ~0.5 ms per program, and the kernels
+    # launch about one program per row, so the batch is kept to 32 tokens.
+    "cpu": (ModelShape(2, 32, 2, 64, 16, 2, 64, torch.float32, 1e-2), 40),
+    # The GPU default until 2026-12-02: host-bound at this width, and a small vocabulary (1.00x measured).
+    "small": (ModelShape(4, 1024, 16, 4096, 1024, 8, 32768, torch.bfloat16, 1e-3), 200),
+    # Llama-3's vocabulary at Llama-3.2-1B's width (hidden 2048, ffn 8192, tied embeddings), two layers,
+    # 4 x 2048 tokens a step: the output layer and loss are a large share of the step, as in small models
+    # with large vocabularies.
+    "llama3": (ModelShape(2, 2048, 16, 8192, 2048, 4, 128256, torch.bfloat16, 1e-3, tied=True), 300),
+    # The same with eight layers: the output layer's share of the step is smaller, and so is lck's gain.
+    "llama3-8l": (ModelShape(8, 2048, 16, 8192, 2048, 4, 128256, torch.bfloat16, 1e-3, tied=True), 100),
+}
 
 
 class MarkovChain:
@@ -134,7 +152,7 @@ class _Block(nn.Module):
 
 def _norm(hidden: int, use_lck: bool) -> nn.Module:
     if use_lck:
-        from lck_kernels.rms_norm import LckRMSNorm
+        from lck_kernels import LckRMSNorm
 
         return LckRMSNorm(hidden, eps=1e-5)  # "llama" casting: torch.nn.RMSNorm's numerics
     return nn.RMSNorm(hidden, eps=1e-5)
@@ -155,6 +173,8 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(_Block(shape, use_lck) for _ in range(shape.layers))
         self.final_norm = _norm(shape.hidden, use_lck)
         self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        if shape.tied:
+            self.head.weight = self.tok.weight
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 nn.init.normal_(
@@ -169,7 +189,7 @@ class TinyGPT(nn.Module):
             x = block(x)
         logits = self.head(self.final_norm(x)).reshape(-1, self.shape.vocab)
         if self.use_lck:
-            from lck_kernels.cross_entropy import cross_entropy
+            from lck_kernels import cross_entropy
 
             return cross_entropy(logits, labels.reshape(-1)).float()
         return F.cross_entropy(logits.float(), labels.reshape(-1))
@@ -252,6 +272,7 @@ def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=shape.tied,
     )
     # Megatron trains bf16 models wrapped in Float16Module, which casts every parameter (the norms' too)
     # to bf16; do the same, or the norms would keep float32 weights under bf16 activations.

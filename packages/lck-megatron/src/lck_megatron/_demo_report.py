@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lck_megatron.demo import RunResult
+    from lck_megatron._demo_run import RunResult
 
 
 def _tolerance(shape: Any) -> float:

@@ -119,11 +119,11 @@ class LckVocabParallelCrossEntropy:
             flat_logits = flat_logits.contiguous()
         flat_target = target.reshape(-1)
         if tp == 1:
-            from lck_kernels.cross_entropy import cross_entropy
+            from lck_kernels import cross_entropy
 
             loss = cross_entropy(flat_logits, flat_target, label_smoothing=smoothing, reduction="none")
         else:
-            from lck_kernels.vocab_parallel import vocab_parallel_cross_entropy
+            from lck_kernels import vocab_parallel_cross_entropy
 
             loss = vocab_parallel_cross_entropy(
                 flat_logits, flat_target, group, label_smoothing=smoothing, reduction="none"

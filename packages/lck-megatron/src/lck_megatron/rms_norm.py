@@ -70,9 +70,9 @@ class LckMegatronRMSNorm(nn.RMSNorm):
                 self.calls["torch"] += 1
             return super().forward(x)
 
-        # Lazy (importing lck_megatron must not import Triton), and from the submodule: once imported,
-        # `lck_kernels.rms_norm` the package attribute is that submodule, not the function.
-        from lck_kernels.rms_norm import rms_norm
+        # Lazy: importing lck_megatron must not import Triton. The package's top binds the function (after
+        # its subpackage of the same name), and only top-level names are lck-kernels' public API.
+        from lck_kernels import rms_norm
 
         if not torch.compiler.is_compiling():
             self.calls["lck"] += 1

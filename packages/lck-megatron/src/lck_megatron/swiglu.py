@@ -146,7 +146,7 @@ class LckMegatronSwiGLU(nn.Module):
             return self._fall_back(reason, input, bias, fp8_input_store, cpu_offload_input, args, kwargs)
 
         # Lazy: importing lck_megatron must not import Triton.
-        from lck_kernels.swiglu import swiglu_packed
+        from lck_kernels import swiglu_packed
 
         if not torch.compiler.is_compiling():
             self.calls["lck"] += 1
