@@ -165,6 +165,20 @@ def test_local_path_matches_float64(monkeypatch, triton: bool) -> None:
     assert not errors, "\n".join(errors)
 
 
+def test_frozen_experts_still_give_input_gradients(interpret) -> None:
+    from _moe_worker import CASES, _module, make_inputs, run_layer
+
+    case = CASES[4]
+    inputs = make_inputs(case, 1, SEED)
+    full = run_layer(_module(0, 1, None, inputs, case), 0, inputs)
+    frozen = _module(0, 1, None, inputs, case)
+    frozen.requires_grad_(False)
+    got = run_layer(frozen, 0, inputs)
+    assert got["dw1"] is None and got["dw2"] is None
+    for name in ("y", "dx", "dw"):
+        assert torch.equal(got[name], full[name]), name
+
+
 def _raises(exc: type, fragments: list[str], fn: Any) -> None:
     with pytest.raises(exc) as info:
         fn()

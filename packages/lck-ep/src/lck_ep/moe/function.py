@@ -99,16 +99,18 @@ def _experts_bwd(
     w1: torch.Tensor,
     w2: torch.Tensor,
     ends: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    need: tuple[bool, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx_e [M, H], dw_rows [M] float32, dw1 [L, H, 2F], dw2 [L, F, H])``, freeing each intermediate
-    as soon as its last GEMM has been enqueued."""
+    as soon as its last GEMM has been enqueued; a weight gradient that ``need`` (autograd's
+    ``needs_input_grad``) does not ask for is not computed (frozen experts)."""
     dact = grouped.mm(dy_e, w2.transpose(1, 2), ends)
     dh, dw_rows, act = launch.swiglu_weighted_bwd(h, w_e, dact, ends)
     del dact
-    dw2 = grouped.mm_weight_grad(act, dy_e, ends)
+    dw2 = grouped.mm_weight_grad(act, dy_e, ends) if need[3] else None
     del act
     dx_e = grouped.mm(dh, w1.transpose(1, 2), ends)
-    dw1 = grouped.mm_weight_grad(x_e, dh, ends)
+    dw1 = grouped.mm_weight_grad(x_e, dh, ends) if need[2] else None
     return dx_e, dw_rows, dw1, dw2
 
 
@@ -178,14 +180,14 @@ class MoEFunction(torch.autograd.Function):
         if buf is None:
             x_e, h, w_e, ends, entry_rows, index = saved
             dy_e, _ = launch.gather_rows(dout, entry_rows, ctx.num_topk, None)
-            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends)
+            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends, ctx.needs_input_grad)
             dx = launch.reduce_rows(dx_e, index)
             dtw = _per_slot(dw_rows, index) if ctx.needs_input_grad[1] else None
         else:
             x_e, h, w_e, ends, idx = saved
             handle = entry.handle
             dy_e = buf.dispatch(dout, handle=handle).recv_x
-            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends)
+            dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends, ctx.needs_input_grad)
             dx = buf.combine(dx_e, handle).combined_x
             dtw = None
             if ctx.needs_input_grad[1]:
