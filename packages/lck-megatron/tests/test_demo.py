@@ -110,7 +110,7 @@ def test_gpu_demo_megatron_backend(tmp_path) -> None:
     payload = _check_outputs(tmp_path, steps, ("megatron", "megatron+lck"))
     assert payload["preset"] == "llama3" and "Megatron-Core GPTModel" in payload["where"]
     for r in payload["runs"]:  # far from the corpus' floor at a 128k vocabulary, but learning
-        assert r["final_loss"] < r["losses"][0] - 2.0, (r["name"], r["losses"][0], r["final_loss"])
+        assert r["final_loss"] < r["losses"][0] - 1.0, (r["name"], r["losses"][0], r["final_loss"])
     calls = payload["runs"][1]["lck_calls"]
     # SwiGLU once per layer, RMSNorm twice per layer + the final one, the output layer and loss once.
     assert calls["swiglu"] == {"lck": shape.layers * steps, "fallback": 0}, calls
