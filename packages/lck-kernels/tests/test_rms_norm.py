@@ -357,7 +357,7 @@ def test_eager_calls_skip_the_dispatcher_and_keep_its_contract(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lck_kernels._common import plain_eager
+    from lck_kernels._eager import plain_eager
 
     R = importlib.import_module("lck_kernels.rms_norm.ops")
 

@@ -9,17 +9,16 @@ Names here are stable (other op modules import them):
   validation raising ``TypeError`` / ``ValueError`` that name the op and the argument, say what was expected and
   what was given.
 - ``cdiv``, ``next_power_of_2``, ``row_block``, ``warps_for``, ``num_sms``: launch-size arithmetic.
-- ``tuned``, ``tuning``: per-kernel launch-parameter overrides, for the tuning script only.
-- ``define_op``: registers a ``torch.library`` op backed by Triton kernels (``triton_op`` on GPUs,
-  ``custom_op`` + fake under the interpreter; see its docstring for why) and returns an ``EagerOp`` that
-  skips the dispatcher's host cost in plain eager calls.
+- ``tuned``, ``tuning``, ``config_cache``: per-kernel launch-parameter overrides (for the tuning script
+  only), and the cache of launch configurations that steps aside while an override is set.
+
+The op registration and the launches themselves (the eager fast path) are in ``_eager``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -36,14 +35,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# Read once: Triton decides at import (``@triton.jit``) whether kernels are interpreted, so ours are
+# whatever the environment said when this package was imported; and an environment read per check is
+# three Python calls on a hot path.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return _INTERPRET
 
 
 def kernel_device_type() -> str:
     """Device type that Triton kernel inputs must have: ``cuda``, or ``cpu`` under the interpreter."""
-    return "cpu" if interpreting() else "cuda"
+    return "cpu" if _INTERPRET else "cuda"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,6 +212,21 @@ def num_sms(device: torch.device) -> int:
 _OVERRIDES: dict[str, dict[str, int]] = {}
 
 
+def config_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Cache a launch-configuration function on its (hashable) arguments: shape, dtype, device, options.
+
+    While any :func:`tuning` override is set the cache steps aside, so an override always takes effect
+    and never leaks into the cache."""
+    cached = functools.lru_cache(maxsize=1024)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        return fn(*args) if _OVERRIDES else cached(*args)
+
+    wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return wrapper
+
+
 def tuned(kernel: str, defaults: dict[str, int]) -> dict[str, int]:
     """``defaults`` updated with any override set for ``kernel`` by :func:`tuning`."""
     extra = _OVERRIDES.get(kernel)
@@ -232,93 +252,3 @@ def tuning(kernel: str, **params: int) -> Iterator[None]:
             _OVERRIDES.pop(kernel, None)
         else:
             _OVERRIDES[kernel] = prev
-
-
-# ---------------------------------------------------------------------------------------------------------
-# torch.library registration
-# ---------------------------------------------------------------------------------------------------------
-
-
-def launcher(kernel: Any) -> Any:
-    """``kernel`` wrapped so that ``torch.compile`` traces its launch inside a ``triton_op``.
-
-    Under the interpreter the kernel is returned as is (the op is an opaque ``custom_op`` there).
-    """
-    return kernel if interpreting() else torch.library.wrap_triton(kernel)
-
-
-def define_op(
-    name: str,
-    impl: Callable[..., Any],
-    *,
-    mutates_args: Iterable[str] = (),
-    fake: Callable[..., Any],
-) -> Callable[..., Any]:
-    """Register ``impl`` (which launches Triton kernels through :func:`launcher`) as the op ``name``.
-
-    On GPUs this is ``torch.library.triton_op``: ``torch.compile`` traces into ``impl`` and sees the Triton
-    kernels themselves, and ``impl`` doubles as the fake (meta) implementation, so ``fake`` is unused.
-    Under ``TRITON_INTERPRET=1`` the kernels are plain Python functions that ``wrap_triton`` passes through
-    unwrapped, so tracing ``impl`` with fake tensors would run the interpreter on them (and fail); there the
-    op is an opaque ``torch.library.custom_op`` whose shapes come from ``fake``. Both forms pass
-    ``torch.library.opcheck`` and compile with ``fullgraph=True``.
-
-    Returns a callable (:class:`EagerOp`) that skips the dispatcher in plain eager calls; the op itself is
-    ``torch.ops.lck.<name>`` as usual.
-    """
-    mutates = tuple(mutates_args)
-    if interpreting():
-        op = torch.library.custom_op(name, impl, mutates_args=mutates)
-        op.register_fake(fake)
-    else:
-        op = torch.library.triton_op(name, impl, mutates_args=mutates)
-    params = list(inspect.signature(impl).parameters)
-    return EagerOp(op, impl, tuple(params.index(m) for m in mutates))
-
-
-try:  # torch's switch between launching a wrapped Triton kernel directly and through its tracing HOP
-    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
-except ImportError:  # pragma: no cover - a torch without it: every call goes through the op
-    _set_wrap_triton_enabled = None
-
-
-def plain_eager(args: Sequence[Any]) -> bool:
-    """True when nothing but our own code needs to see this call: eager (not compiling), no dispatch or
-    function mode, no functorch transform, and every tensor argument a plain ``torch.Tensor`` (no fake,
-    functional or subclass tensors)."""
-    if _set_wrap_triton_enabled is None or torch.compiler.is_compiling():
-        return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
-
-
-class EagerOp:
-    """A registered op that, in plain eager calls (:func:`plain_eager`), runs its Python body directly.
-
-    Going through the dispatcher costs about 0.3 ms of host time per call on torch 2.11 (custom-op
-    autograd and alias checks, a dynamo-disabled frame, the redispatch), measured with
-    ``benchmarks/host_overhead.py``: several times the GPU time of a small RMSNorm or SwiGLU. The body is
-    the same code the op runs, with Triton kernels launched directly as the op does in eager mode; what the
-    dispatcher would add for a mutating op, a version-counter bump of each mutated argument (so autograd
-    still refuses a saved tensor that was overwritten), is done here. Anything else (``torch.compile``,
-    fake tensors, modes, subclasses, keyword arguments) takes the op.
-    """
-
-    # Class-wide switch, for measuring the dispatcher's cost (benchmarks/host_overhead.py): False sends
-    # every call through the op.
-    direct: bool = True
-
-    def __init__(self, op: Any, impl: Callable[..., Any], mutated: tuple[int, ...]):
-        self.op, self._impl, self._mutated = op, impl, mutated
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or not EagerOp.direct or not plain_eager(args):
-            return self.op(*args, **kwargs)
-        with _set_wrap_triton_enabled(False):
-            out = self._impl(*args)
-        for i in self._mutated:
-            torch.autograd.graph.increment_version(args[i])
-        return out

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import triton
 
-from lck_kernels._common import interpreting, launcher, next_power_of_2, num_sms, tuned
+from lck_kernels._common import config_cache, interpreting, next_power_of_2, num_sms, tuned
+from lck_kernels._eager import Launch, launch_for
 from lck_kernels.cross_entropy import kernels as k
 from lck_kernels.cross_entropy.cuda import try_launch
 from lck_kernels.cross_entropy.kernels import _DEFAULTS
@@ -28,6 +29,7 @@ def _floor_power_of_2(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
+@config_cache
 def ce_launch_config(
     kernel: str, n_rows: int, n_cols: int, element_size: int, device: torch.device
 ) -> dict[str, Any]:
@@ -90,13 +92,26 @@ class CEOptions:
             "HAS_SOFTCAP": self.softcap > 0.0,
         }
 
+    def switches(self) -> tuple[bool, bool, bool]:
+        """``SMOOTH``, ``HAS_Z``, ``HAS_SOFTCAP`` (the order of :meth:`flags` after ``HAS_WEIGHT``)."""
+        return self.label_smoothing > 0.0, self.lse_square_scale > 0.0, self.softcap > 0.0
+
     def scalars(self) -> tuple[int, float, float, float, float]:
         softcap = self.softcap if self.softcap > 0.0 else 1.0  # unused without the cap; avoid a 0 divide
         return self.ignore_index, self.label_smoothing, self.lse_square_scale, self.scale, softcap
 
 
-def _kernel(fn, wrap: bool):
-    return launcher(fn) if wrap else fn
+def _run(launch: Launch, wrap: bool, grid: tuple[int, ...], *args: Any) -> None:
+    # wrap: inside a triton_op body (torch.compile must see the kernel); else an opaque custom_op body.
+    if wrap:
+        launch(grid, *args)
+    else:
+        launch.raw(grid, *args)
+
+
+@config_cache
+def _reduction_launch(mean: bool, has_weight: bool) -> Launch:
+    return launch_for(k._ce_reduction_kernel, MEAN=mean, HAS_WEIGHT=has_weight, BLOCK=1024, num_warps=4)
 
 
 def launch_reduction(
@@ -110,18 +125,9 @@ def launch_reduction(
 ) -> torch.Tensor:
     """``[Σ w_t, n_valid, cw, cz, Σ w_c]`` (float32, on device) over the non-ignored targets."""
     red = torch.empty(5, dtype=torch.float32, device=target.device)
-    _kernel(k._ce_reduction_kernel, wrap)[(1,)](
-        target,
-        class_weight if class_weight is not None else red,
-        red,
-        target.numel(),
-        n_cols,
-        ignore_index,
-        MEAN=mean,
-        HAS_WEIGHT=class_weight is not None,
-        BLOCK=1024,
-        num_warps=4,
-    )
+    weight = class_weight if class_weight is not None else red
+    launch = _reduction_launch(mean, class_weight is not None)
+    _run(launch, wrap, (1,), target, weight, red, target.numel(), n_cols, ignore_index)
     return red
 
 
@@ -156,8 +162,8 @@ def launch_fwd(
         ):  # fmt: skip
             return
     name = "cross_entropy_fwd_grad" if grad is not None else "cross_entropy_fwd"
-    cfg = ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
+    cfg = ce_launch_config(name, n_rows, n_cols, logits.element_size(), logits.device)
     if grad is not None and cfg["SPLIT"] > 1:
         # One record of 8 int64 words per (row, team member), zero = not yet published, and an abort flag.
         part = torch.zeros(n_rows * cfg["SPLIT"] * 8 + 1, dtype=torch.int64, device=logits.device)
@@ -165,50 +171,41 @@ def launch_fwd(
         # the interpreter runs programs one after another, so there the statistics pass (phase 1) and the
         # gradient pass (phase 2) are two launches of the same kernel.
         for phase in (1, 2) if interpreting() else (0,):
-            _kernel(_ce_fwd_split_kernel, wrap)[cfg["grid"]](
-                logits, logits.stride(0), grad, grad.stride(0), target,
-                class_weight if class_weight is not None else lse, red, loss,
-                zloss if zloss is not None else lse, lse, entropy if entropy is not None else lse,
-                applied if applied is not None else lse, part, n_rows, n_cols, cfg["CHUNK"], ignore_index,
-                eps, z_scale, scale, softcap,
-                BLOCK=cfg["BLOCK"], SPLIT=cfg["SPLIT"], **opts.flags(class_weight is not None),
+            launch = launch_for(
+                _ce_fwd_split_kernel, BLOCK=cfg["BLOCK"], SPLIT=cfg["SPLIT"], **opts.flags(class_weight is not None),
                 ENTROPY=entropy is not None, EVICT=cfg["EVICT"], NUM_STAGES=cfg["NUM_STAGES"],
                 PREFETCH=cfg["PREFETCH"], PHASE=phase, MAX_SPIN=MAX_SPIN, WARP_MAX=cfg["WARP_MAX"],
                 num_warps=cfg["num_warps"],
             )  # fmt: skip
+            _run(
+                launch, wrap, cfg["grid"], logits, logits.stride(0), grad, grad.stride(0), target,
+                class_weight if class_weight is not None else lse, red, loss,
+                zloss if zloss is not None else lse, lse, entropy if entropy is not None else lse,
+                applied if applied is not None else lse, part, n_rows, n_cols, cfg["CHUNK"], ignore_index,
+                eps, z_scale, scale, softcap,
+            )  # fmt: skip
         return
-    _kernel(k._ce_fwd_kernel, wrap)[cfg["grid"]](
-        logits,
-        logits.stride(0),
-        grad if grad is not None else lse,
-        grad.stride(0) if grad is not None else 0,
-        target,
-        class_weight if class_weight is not None else lse,
-        red,
-        loss,
-        zloss if zloss is not None else lse,
-        lse,
-        entropy if entropy is not None else lse,
-        applied if applied is not None else lse,
-        n_rows,
-        n_cols,
-        ignore_index,
-        eps,
-        z_scale,
-        scale,
-        softcap,
-        BLOCK=cfg["BLOCK"],
-        **opts.flags(class_weight is not None),
-        ENTROPY=entropy is not None,
-        GRAD=grad is not None,
-        EVICT=cfg["EVICT"],
-        NUM_STAGES=cfg["NUM_STAGES"],
-        PREFETCH=cfg["PREFETCH"],
-        REVERSE=cfg["REVERSE"],
-        GRAD_AHEAD=cfg["GRAD_AHEAD"],
-        WARP_MAX=cfg["WARP_MAX"],
+    flags = (class_weight is not None, *opts.switches(), entropy is not None, grad is not None)
+    grid, launch = _fwd_launch(name, n_rows, n_cols, logits.element_size(), logits.device, flags)
+    _run(
+        launch, wrap, grid, logits, logits.stride(0), grad if grad is not None else lse,
+        grad.stride(0) if grad is not None else 0, target, class_weight if class_weight is not None else lse, red,
+        loss, zloss if zloss is not None else lse, lse, entropy if entropy is not None else lse,
+        applied if applied is not None else lse, n_rows, n_cols, ignore_index, eps, z_scale, scale, softcap,
+    )  # fmt: skip
+
+
+@config_cache
+def _fwd_launch(name: str, n_rows: int, n_cols: int, element_size: int, device: torch.device, flags: tuple):
+    cfg = ce_launch_config(name, n_rows, n_cols, element_size, device)
+    has_weight, smooth, has_z, has_softcap, entropy, grad = flags
+    launch = launch_for(
+        k._ce_fwd_kernel, BLOCK=cfg["BLOCK"], HAS_WEIGHT=has_weight, SMOOTH=smooth, HAS_Z=has_z,
+        HAS_SOFTCAP=has_softcap, ENTROPY=entropy, GRAD=grad, EVICT=cfg["EVICT"], NUM_STAGES=cfg["NUM_STAGES"],
+        PREFETCH=cfg["PREFETCH"], REVERSE=cfg["REVERSE"], GRAD_AHEAD=cfg["GRAD_AHEAD"], WARP_MAX=cfg["WARP_MAX"],
         num_warps=cfg["num_warps"],
-    )
+    )  # fmt: skip
+    return cfg["grid"], launch
 
 
 def _row_arg(g: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -242,45 +239,37 @@ def launch_bwd(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = ce_launch_config("cross_entropy_bwd", n_rows, n_cols, logits.element_size(), logits.device)
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
     gl, gl_stride = _row_arg(g_loss, lse)
     gs, gs_stride = _row_arg(g_lse, lse)
     ge, ge_stride = _row_arg(g_entropy, lse)
     if g_entropy is not None and entropy is None:
         raise RuntimeError("launch_bwd: g_entropy needs the saved entropy")  # internal invariant
-    _kernel(k._ce_bwd_kernel, wrap)[cfg["grid"]](
-        logits,
-        logits.stride(0),
-        grad,
-        grad.stride(0),
-        target,
-        class_weight if class_weight is not None else lse,
-        red,
-        lse,
-        entropy if entropy is not None else lse,
-        gl,
-        gl_stride,
-        gs,
-        gs_stride,
-        ge,
-        ge_stride,
-        n_rows,
-        n_cols,
-        ignore_index,
-        eps,
-        z_scale,
-        scale,
-        softcap,
-        BLOCK=cfg["BLOCK"],
-        **opts.flags(class_weight is not None),
-        HAS_G_LOSS=g_loss is not None,
-        HAS_G_LSE=g_lse is not None,
-        HAS_G_ENT=g_entropy is not None,
-        EVICT=cfg["EVICT"],
-        NUM_STAGES=cfg["NUM_STAGES"],
-        num_warps=cfg["num_warps"],
+    flags = (
+        class_weight is not None,
+        *opts.switches(),
+        g_loss is not None,
+        g_lse is not None,
+        g_entropy is not None,
     )
+    grid, launch = _bwd_launch(n_rows, n_cols, logits.element_size(), logits.device, flags)
+    _run(
+        launch, wrap, grid, logits, logits.stride(0), grad, grad.stride(0), target,
+        class_weight if class_weight is not None else lse, red, lse, entropy if entropy is not None else lse,
+        gl, gl_stride, gs, gs_stride, ge, ge_stride, n_rows, n_cols, ignore_index, eps, z_scale, scale, softcap,
+    )  # fmt: skip
+
+
+@config_cache
+def _bwd_launch(n_rows: int, n_cols: int, element_size: int, device: torch.device, flags: tuple):
+    cfg = ce_launch_config("cross_entropy_bwd", n_rows, n_cols, element_size, device)
+    has_weight, smooth, has_z, has_softcap, g_loss, g_lse, g_ent = flags
+    launch = launch_for(
+        k._ce_bwd_kernel, BLOCK=cfg["BLOCK"], HAS_WEIGHT=has_weight, SMOOTH=smooth, HAS_Z=has_z,
+        HAS_SOFTCAP=has_softcap, HAS_G_LOSS=g_loss, HAS_G_LSE=g_lse, HAS_G_ENT=g_ent, EVICT=cfg["EVICT"],
+        NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return cfg["grid"], launch
 
 
 def launch_rescale_rows(grad: torch.Tensor, applied: torch.Tensor, g: torch.Tensor, *, wrap: bool) -> None:
@@ -289,11 +278,15 @@ def launch_rescale_rows(grad: torch.Tensor, applied: torch.Tensor, g: torch.Tens
     if n_rows == 0:
         return
     g_arg, g_stride = _row_arg(g, applied)
+    grid, launch = _rescale_rows_launch(n_rows, n_cols, grad.device)
+    _run(launch, wrap, grid, grad, grad.stride(0), applied, g_arg, g_stride, n_rows, n_cols)
+
+
+@config_cache
+def _rescale_rows_launch(n_rows: int, n_cols: int, device: torch.device) -> tuple[tuple[int], Launch]:
     block = min(4096, max(16, 1 << (n_cols - 1).bit_length()))
-    grid = (max(1, min(n_rows, 8 * num_sms(grad.device))),)
-    _kernel(k._ce_rescale_rows_kernel, wrap)[grid](
-        grad, grad.stride(0), applied, g_arg, g_stride, n_rows, n_cols, BLOCK=block, num_warps=8
-    )
+    grid = (max(1, min(n_rows, 8 * num_sms(device))),)
+    return grid, launch_for(k._ce_rescale_rows_kernel, BLOCK=block, num_warps=8)
 
 
 def launch_rescale_flat(
@@ -302,14 +295,14 @@ def launch_rescale_flat(
     """Each contiguous tensor ← tensor × ``g / applied`` (``g`` and ``applied`` hold one value); then
     ``applied`` ← ``g``. Programs exit at once when the factor is exactly 1."""
     factor = torch.empty(1, dtype=torch.float32, device=applied.device)
-    _kernel(k._rescale_factor_kernel, wrap)[(1,)](g, applied, factor, num_warps=1)
+    _run(launch_for(k._rescale_factor_kernel, num_warps=1), wrap, (1,), g, applied, factor)
     block = 4096
+    rescale = launch_for(k._rescale_kernel, BLOCK=block, num_warps=8)
     for t in tensors:
         if t.numel() == 0:
             continue
-        _kernel(k._rescale_kernel, wrap)[rescale_grid(t.numel(), block, t.device)](
-            t, t.numel(), triton.cdiv(t.numel(), block), factor, BLOCK=block, num_warps=8
-        )
+        n = t.numel()
+        _run(rescale, wrap, rescale_grid(n, block, t.device), t, n, triton.cdiv(n, block), factor)
 
 
 def finalize_loss(

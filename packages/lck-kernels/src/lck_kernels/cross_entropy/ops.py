@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import check_tensor, define_op
+from lck_kernels._common import check_tensor
+from lck_kernels._eager import define_op, direct
 from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, unpack_saved_gradient
 from lck_kernels.cross_entropy.launch import (
     CEOptions,
@@ -59,10 +60,11 @@ def _fwd_impl(
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, lse, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
-    check_cross_entropy_inputs(
-        "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
-        softcap or None, reduction,
-    )  # fmt: skip
+    if not direct():  # a direct call comes from cross_entropy or its autograd, after the same check
+        check_cross_entropy_inputs(
+            "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
+            softcap or None, reduction,
+        )  # fmt: skip
     grad = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
     loss, z, lse, applied = _forward(
         logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
@@ -116,7 +118,8 @@ def _fwd_inplace_impl(
     """(loss, z_loss, lse, applied); ``logits`` is overwritten with the gradient."""
     op = "lck::cross_entropy_fwd_"
     options = (ignore_index, label_smoothing, lse_square_scale, softcap or None, reduction)
-    check_cross_entropy_inputs(op, logits, target, weight, *options)
+    if not direct():
+        check_cross_entropy_inputs(op, logits, target, weight, *options)
     _check_overwritable(op, logits)
     return _forward(
         logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, logits
@@ -137,6 +140,14 @@ cross_entropy_fwd_ = define_op(
 def _rescale_impl(grad: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``grad`` rows ← rows × ``grad_output / applied`` (0-D or one value per row); ``applied`` ← it."""
     op = "lck::cross_entropy_rescale_"
+    if not direct():  # a direct call comes from CrossEntropyFunction.backward, on what its forward made
+        _check_rescale_inputs(op, grad, applied, grad_output)
+    launch_rescale_rows(grad, applied, grad_output, wrap=True)
+
+
+def _check_rescale_inputs(
+    op: str, grad: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor
+) -> None:
     check_tensor(op, "grad", grad, ndim=2, last_dim_contiguous=True)
     check_tensor(op, "applied", applied, dtypes=(torch.float32,), ndim=1, contiguous=True)
     check_tensor(op, "grad_output", grad_output, ndim=(0, 1))
@@ -147,7 +158,6 @@ def _rescale_impl(grad: torch.Tensor, applied: torch.Tensor, grad_output: torch.
             f"{op}: grad {tuple(grad.shape)}, applied {tuple(applied.shape)} and grad_output "
             f"{tuple(grad_output.shape)} disagree on the number of rows"
         )
-    launch_rescale_rows(grad, applied, grad_output, wrap=True)
 
 
 def _rescale_fake(grad, applied, grad_output):
@@ -172,10 +182,34 @@ def _backward(
     lse_square_scale,
     softcap,
 ):
+    v = logits.shape[1]
+    if not direct():  # a direct call comes from CrossEntropyRowsFunction.backward, on what its forward saw
+        _check_backward_inputs(
+            op,
+            logits,
+            target,
+            weight,
+            lse,
+            grad_output,
+            ignore_index,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+        )
+    red = launch_reduction(target, weight, v, ignore_index, mean=False, wrap=True)
+    launch_bwd(
+        logits, grad, target, weight, red, CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap),
+        lse=lse, entropy=None, g_loss=grad_output, g_lse=None, g_entropy=None, wrap=True,
+    )  # fmt: skip
+
+
+def _check_backward_inputs(
+    op, logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
+):
     check_cross_entropy_inputs(
         op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap or None, "none"
     )
-    n, v = logits.shape
+    n = logits.shape[0]
     check_tensor(op, "lse", lse, dtypes=(torch.float32,), ndim=1)
     check_tensor(op, "grad_output", grad_output, ndim=1)
     if lse.shape[0] != n or grad_output.shape[0] != n:
@@ -183,11 +217,6 @@ def _backward(
             f"{op}: lse {tuple(lse.shape)} and grad_output {tuple(grad_output.shape)} must have one value per "
             f"row of logits {tuple(logits.shape)}"
         )
-    red = launch_reduction(target, weight, v, ignore_index, mean=False, wrap=True)
-    launch_bwd(
-        logits, grad, target, weight, red, CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap),
-        lse=lse, entropy=None, g_loss=grad_output, g_lse=None, g_entropy=None, wrap=True,
-    )  # fmt: skip
 
 
 def _bwd_impl(

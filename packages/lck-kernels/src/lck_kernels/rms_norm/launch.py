@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import cdiv, launcher, num_sms, row_block, tuned, warps_for
+from lck_kernels._common import cdiv, config_cache, num_sms, row_block, tuned, warps_for
+from lck_kernels._eager import Launch, launch_for
 from lck_kernels.rms_norm.kernels import (
     _rms_norm_bwd_dot_kernel,
     _rms_norm_bwd_kernel,
@@ -72,42 +73,62 @@ def bwd_config(n_cols: int, element_size: int) -> dict[str, int]:
     return tuned("rms_norm_bwd", {"BLOCK_N": block, **cfg})
 
 
+@config_cache
+def _fwd_plan(n_rows: int, n_cols: int, element_size: int, casting: int) -> tuple[tuple[int], Launch]:
+    cfg = fwd_config(n_cols, element_size)
+    block, rows = cfg["BLOCK_N"], cfg["ROWS"]
+    launch = launch_for(
+        _rms_norm_fwd_kernel, CASTING=casting, ROWS=rows, BLOCK_N=block, TILED=block < n_cols,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return (cdiv(n_rows, rows),), launch
+
+
 def launch_fwd(x2, weight, y2, rstd, eps, offset, casting) -> None:
     n_rows, n_cols = x2.shape
-    cfg = fwd_config(n_cols, x2.element_size())
+    grid, launch = _fwd_plan(n_rows, n_cols, x2.element_size(), casting)
+    launch(grid, x2, weight, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), float(eps), float(offset))
+
+
+@config_cache
+def _bwd_plan(n_rows: int, n_cols: int, element_size: int, casting: int, device: torch.device):
+    """(programs, rows per program, column tiles, launches): the persistent row kernel, or the tiled
+    path's two."""
+    cfg = bwd_config(n_cols, element_size)
     block, rows = cfg["BLOCK_N"], cfg["ROWS"]
-    launcher(_rms_norm_fwd_kernel)[(cdiv(n_rows, rows),)](
-        x2, weight, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), float(eps), float(offset),
-        CASTING=casting, ROWS=rows, BLOCK_N=block, TILED=block < n_cols, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    programs = max(1, min(num_sms(device) * cfg["PROGRAMS_PER_SM"], cdiv(n_rows, rows)))
+    # Whole multiples of ROWS per program, so only the last program sees a ragged tail.
+    per_program = cdiv(cdiv(n_rows, programs), rows) * rows
+    programs = cdiv(n_rows, per_program)
+    warps = cfg["num_warps"]
+    if block >= n_cols:
+        prefetch = bool(cfg["PREFETCH"])
+        kw = {"CASTING": casting, "ROWS": rows, "BLOCK_N": block, "PREFETCH": prefetch, "num_warps": warps}
+        return programs, per_program, 1, (launch_for(_rms_norm_bwd_kernel, **kw),)
+    dot = launch_for(_rms_norm_bwd_dot_kernel, CASTING=casting, BLOCK_N=block, num_warps=warps)
+    tiled = launch_for(_rms_norm_bwd_tiled_kernel, CASTING=casting, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return programs, per_program, cdiv(n_cols, block), (dot, tiled)
 
 
 def launch_bwd(dy2, x2, weight, rstd, dx2, offset, casting) -> torch.Tensor:
     """Launch the backward; return ``dweight`` (fp32, summed over programs, not yet cast)."""
     n_rows, n_cols = x2.shape
-    cfg = bwd_config(n_cols, x2.element_size())
-    block, rows = cfg["BLOCK_N"], cfg["ROWS"]
-    programs = max(1, min(num_sms(x2.device) * cfg["PROGRAMS_PER_SM"], cdiv(n_rows, rows)))
-    # Whole multiples of ROWS per program, so only the last program sees a ragged tail.
-    per_program = cdiv(cdiv(n_rows, programs), rows) * rows
-    programs = cdiv(n_rows, per_program)
+    programs, per_program, tiles, launches = _bwd_plan(n_rows, n_cols, x2.element_size(), casting, x2.device)
     partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device)
-    if block >= n_cols:
-        launcher(_rms_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight, rstd, dx2, partial, n_rows, n_cols, per_program,
-            dy2.stride(0), x2.stride(0), dx2.stride(0), float(offset),
-            CASTING=casting, ROWS=rows, BLOCK_N=block, PREFETCH=bool(cfg["PREFETCH"]), num_warps=cfg["num_warps"],
+    offset = float(offset)
+    if len(launches) == 1:
+        launches[0](
+            (programs,), dy2, x2, weight, rstd, dx2, partial, n_rows, n_cols, per_program,
+            dy2.stride(0), x2.stride(0), dx2.stride(0), offset,
         )  # fmt: skip
     else:
         dot = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-        launcher(_rms_norm_bwd_dot_kernel)[(n_rows,)](
-            dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), float(offset),
-            CASTING=casting, BLOCK_N=block, num_warps=cfg["num_warps"],
-        )  # fmt: skip
+        launches[0](
+            (n_rows,), dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), offset
+        )
         # dot is complete before dx overwrites dy (in place): kernels on one stream run in order.
-        launcher(_rms_norm_bwd_tiled_kernel)[(cdiv(n_cols, block), programs)](
-            dy2, x2, weight, rstd, dot, dx2, partial, n_rows, n_cols, per_program,
-            dy2.stride(0), x2.stride(0), dx2.stride(0), float(offset),
-            CASTING=casting, ROWS=rows, BLOCK_N=block, num_warps=cfg["num_warps"],
+        launches[1](
+            (tiles, programs), dy2, x2, weight, rstd, dot, dx2, partial, n_rows, n_cols,
+            per_program, dy2.stride(0), x2.stride(0), dx2.stride(0), offset,
         )  # fmt: skip
     return partial.sum(0)

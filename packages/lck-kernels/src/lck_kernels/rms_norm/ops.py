@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import define_op, rows_view
+from lck_kernels._common import rows_view
+from lck_kernels._eager import define_op, direct
 from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_bwd_inputs, check_rms_norm_inputs
 from lck_kernels.rms_norm.launch import launch_bwd, launch_fwd
 
@@ -16,9 +17,10 @@ from lck_kernels.rms_norm.launch import launch_bwd, launch_fwd
 def _fwd_impl(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rms_norm_inputs("lck::rms_norm_fwd", x, weight, eps, offset, casting_mode)
+    if not direct():  # a direct call comes from RMSNormFunction, after rms_norm checked the inputs
+        check_rms_norm_inputs("lck::rms_norm_fwd", x, weight, eps, offset, casting_mode)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, y2 = rows_view("lck::rms_norm_fwd", "x", x), y.view(-1, x.shape[-1])
+    x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1])
     rstd = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device)
     if x2.shape[0] > 0:
         launch_fwd(x2, weight, y2, rstd, eps, offset, CASTING_MODES.index(casting_mode))
@@ -44,15 +46,15 @@ def _bwd_impl(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    op = "lck::rms_norm_bwd"
-    check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
+    if not direct():  # a direct call comes from RMSNormFunction's backward, on tensors the forward checked
+        check_rms_norm_bwd_inputs("lck::rms_norm_bwd", dy, x, weight, rstd, casting_mode)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rstd.shape[0] == 0:
         return dx, torch.zeros_like(weight)
+    n = x.shape[-1]
     dw = launch_bwd(
-        rows_view(op, "dy", dy), rows_view(op, "x", x), weight, rstd, dx.view(-1, x.shape[-1]),
-        offset, CASTING_MODES.index(casting_mode),
-    )  # fmt: skip
+        dy.view(-1, n), x.view(-1, n), weight, rstd, dx.view(-1, n), offset, CASTING_MODES.index(casting_mode)
+    )
     return dx, dw.to(weight.dtype)
 
 
@@ -74,7 +76,8 @@ def _bwd_inplace_impl(
 ) -> torch.Tensor:
     """Writes ``dx`` into ``dy`` (which must not have overlapping rows); returns ``dweight``."""
     op = "lck::rms_norm_bwd_"
-    check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
+    if not direct():
+        check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
     dy2 = rows_view(op, "dy", dy)
     if dy2.shape[0] > 1 and dy2.stride(0) < dy2.shape[1]:
         raise ValueError(
@@ -82,7 +85,9 @@ def _bwd_inplace_impl(
         )
     if rstd.shape[0] == 0:
         return torch.zeros_like(weight)
-    dw = launch_bwd(dy2, rows_view(op, "x", x), weight, rstd, dy2, offset, CASTING_MODES.index(casting_mode))
+    dw = launch_bwd(
+        dy2, x.view(-1, x.shape[-1]), weight, rstd, dy2, offset, CASTING_MODES.index(casting_mode)
+    )
     return dw.to(weight.dtype)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import VECTOR_BYTES, cdiv, launcher, next_power_of_2, rows_view, tuned, warps_for
+from lck_kernels._common import VECTOR_BYTES, cdiv, config_cache, next_power_of_2, rows_view, tuned, warps_for
+from lck_kernels._eager import Launch, direct, launch_for
 from lck_kernels.swiglu.kernels import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 
 
@@ -40,17 +41,23 @@ def elementwise_config(kernel: str, n_cols: int, element_size: int, *, tile: int
     return cfg
 
 
+@config_cache
+def _plan(kernel: str, n_rows: int, n_cols: int, element_size: int) -> tuple[tuple[int], Launch]:
+    cfg = elementwise_config(kernel, n_cols, element_size)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    fn = _swiglu_fwd_kernel if kernel == "swiglu_fwd" else _swiglu_bwd_kernel
+    return (cdiv(n_rows, bm) * cdiv(n_cols, bn),), launch_for(
+        fn, BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg["num_warps"]
+    )
+
+
 def launch_fwd(a2: torch.Tensor, b2: torch.Tensor, c2: torch.Tensor) -> None:
     """``c2 = silu(a2) * b2`` on ``[rows, n]`` views with unit column stride."""
     n_rows, n_cols = a2.shape
     if n_rows == 0:
         return
-    cfg = elementwise_config("swiglu_fwd", n_cols, a2.element_size())
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    launcher(_swiglu_fwd_kernel)[(cdiv(n_rows, bm) * cdiv(n_cols, bn),)](
-        a2, b2, c2, n_rows, n_cols, a2.stride(0), b2.stride(0), c2.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    grid, launch = _plan("swiglu_fwd", n_rows, n_cols, a2.element_size())
+    launch(grid, a2, b2, c2, n_rows, n_cols, a2.stride(0), b2.stride(0), c2.stride(0))
 
 
 def launch_bwd(
@@ -60,17 +67,15 @@ def launch_bwd(
     n_rows, n_cols = a2.shape
     if n_rows == 0:
         return
-    cfg = elementwise_config("swiglu_bwd", n_cols, a2.element_size())
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    launcher(_swiglu_bwd_kernel)[(cdiv(n_rows, bm) * cdiv(n_cols, bn),)](
-        a2, b2, dc2, da2, db2, n_rows, n_cols,
+    grid, launch = _plan("swiglu_bwd", n_rows, n_cols, a2.element_size())
+    launch(
+        grid, a2, b2, dc2, da2, db2, n_rows, n_cols,
         a2.stride(0), b2.stride(0), dc2.stride(0), da2.stride(0), db2.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
 def _halves(op: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and up views ``[rows, n]`` of ``y`` (row stride that of ``y``, no copy)."""
-    y2 = rows_view(op, "y", y)
+    """Gate and up views ``[rows, n]`` of ``y`` (row stride that of ``y``, no copy; ``y`` checked)."""
+    y2 = y.view(-1, y.shape[-1]) if direct() else rows_view(op, "y", y)
     n = y2.shape[1] // 2
     return y2[:, :n], y2[:, n:]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lck_kernels._common import define_op, rows_view
+from lck_kernels._common import rows_view
+from lck_kernels._eager import define_op, direct
 from lck_kernels.swiglu.checks import (
     check_swiglu_bwd_inputs,
     check_swiglu_inputs,
@@ -18,11 +19,17 @@ from lck_kernels.swiglu.launch import _halves, launch_bwd, launch_fwd
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    # In a direct call (from the autograd functions) the inputs were checked already: just the view.
+    return t.view(-1, t.shape[-1]) if direct() else rows_view(op, name, t)
+
+
 def _fwd_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     op = "lck::swiglu_fwd"
-    check_swiglu_inputs(op, a, b)
+    if not direct():  # a direct call comes from SwiGLUFunction, after swiglu checked the inputs
+        check_swiglu_inputs(op, a, b)
     c = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    launch_fwd(rows_view(op, "a", a), rows_view(op, "b", b), c.view(-1, a.shape[-1]))
+    launch_fwd(_rows(op, "a", a), _rows(op, "b", b), c.view(-1, a.shape[-1]))
     return c
 
 
@@ -36,13 +43,12 @@ _swiglu_fwd = define_op("lck::swiglu_fwd", _fwd_impl, fake=_fwd_fake)
 
 def _bwd_impl(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     op = "lck::swiglu_bwd"
-    check_swiglu_bwd_inputs(op, a, b, dc)
+    if not direct():
+        check_swiglu_bwd_inputs(op, a, b, dc)
     da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     db = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     n = a.shape[-1]
-    launch_bwd(
-        rows_view(op, "a", a), rows_view(op, "b", b), rows_view(op, "dc", dc), da.view(-1, n), db.view(-1, n)
-    )
+    launch_bwd(_rows(op, "a", a), _rows(op, "b", b), _rows(op, "dc", dc), da.view(-1, n), db.view(-1, n))
     return da, db
 
 
@@ -86,7 +92,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
 def _packed_fwd_impl(y: torch.Tensor) -> torch.Tensor:
     op = "lck::swiglu_packed_fwd"
-    check_swiglu_packed_inputs(op, y)
+    if not direct():  # a direct call comes from SwiGLUPackedFunction, after swiglu_packed checked y
+        check_swiglu_packed_inputs(op, y)
     n = y.shape[-1] // 2
     out = torch.empty((*y.shape[:-1], n), dtype=y.dtype, device=y.device)
     gate, up = _halves(op, y)
@@ -104,12 +111,13 @@ _swiglu_packed_fwd = define_op("lck::swiglu_packed_fwd", _packed_fwd_impl, fake=
 
 def _packed_bwd_impl(y: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     op = "lck::swiglu_packed_bwd"
-    check_swiglu_packed_bwd_inputs(op, y, dout)
+    if not direct():
+        check_swiglu_packed_bwd_inputs(op, y, dout)
     n = y.shape[-1] // 2
     dy = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     gate, up = _halves(op, y)
     dy2 = dy.view(-1, 2 * n)
-    launch_bwd(gate, up, rows_view(op, "dout", dout), dy2[:, :n], dy2[:, n:])
+    launch_bwd(gate, up, _rows(op, "dout", dout), dy2[:, :n], dy2[:, n:])
     return dy
 
 
@@ -124,13 +132,14 @@ _swiglu_packed_bwd = define_op("lck::swiglu_packed_bwd", _packed_bwd_impl, fake=
 def _packed_bwd_inplace_impl(y: torch.Tensor, dout: torch.Tensor) -> None:
     """Overwrites ``y`` with the gradient of ``silu(gate) * up`` with respect to ``y``."""
     op = "lck::swiglu_packed_bwd_"
-    check_swiglu_packed_bwd_inputs(op, y, dout)
+    if not direct():
+        check_swiglu_packed_bwd_inputs(op, y, dout)
     gate, up = _halves(op, y)
     if gate.shape[0] > 1 and gate.stride(0) < 2 * gate.shape[1]:
         raise ValueError(
             f"{op}: y rows overlap (row stride {gate.stride(0)}); cannot write the gradient into it"
         )
-    launch_bwd(gate, up, rows_view(op, "dout", dout), gate, up)
+    launch_bwd(gate, up, _rows(op, "dout", dout), gate, up)
 
 
 def _packed_bwd_inplace_fake(y, dout):
