@@ -125,6 +125,33 @@ def test_kernels_equal_torch(interpret, monkeypatch) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("experts", [1, 4, 7])
+def test_experimental_fused_gemm1_equals_the_three_passes(interpret, experts: int) -> None:
+    """lck_ep.moe.fused_gemm (timed by the benchmark, not used by the layer): gather + GEMM + weighted
+    SwiGLU in one kernel equals gather_rows, grouped.mm and swiglu_weighted_fwd on the rows in use."""
+    from lck_ep.moe import grouped, launch
+    from lck_ep.moe.fused_gemm import gather_gemm_swiglu
+    from lck_ep.moe.permute import build_local_layout
+
+    g = torch.Generator().manual_seed(experts)
+    t, h, f, k = 37, 48, 40, min(3, experts)
+    x, w1 = torch.randn(t, h, generator=g), torch.randn(experts, h, 2 * f, generator=g) / 7
+    idx = torch.rand(t, experts, generator=g).argsort(1)[:, :k]
+    idx[torch.rand(t, k, generator=g) < 0.3] = -1
+    idx[idx == experts // 2] = -1  # an expert without rows
+    w = torch.rand(t, k, generator=g)
+    lay = build_local_layout(idx, experts, 1)
+    x_e, w_e = launch.gather_rows(x, lay.entry, k, w.reshape(-1))
+    h_ref = grouped.mm(x_e, w1, lay.ends)
+    act_ref = launch.swiglu_weighted_fwd(h_ref, w_e, lay.ends)
+    hh, act = gather_gemm_swiglu(
+        x, lay.entry, k, w1, w_e, lay.ends, block_m=16, block_n=16, block_k=16, num_warps=1
+    )
+    used = int(lay.ends[-1])
+    torch.testing.assert_close(hh[:used], h_ref[:used], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(act[:used], act_ref[:used], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("alignment", [1, 3, 8])
 def test_local_layout_equals_buffer_layout(alignment: int) -> None:
     """The local expert-major layout is the Buffer's expanded layout on one rank (lck_ep.expanded)."""

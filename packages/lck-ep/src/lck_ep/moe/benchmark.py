@@ -12,6 +12,11 @@ shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Prov
   expert (no permutation, no weighting): the figure quoted in FACTS.md;
 - ``expert_loop``: a Python loop over experts with ``torch.matmul`` (Megatron's ``SequentialMLP``).
 
+On the GPU (without ``--only``) the first GEMM is also timed alone (bench ``moe_gemm1``, forward): the
+layer's three passes (row gather, ``torch._grouped_mm``, weighted SwiGLU) against the experimental fused
+kernel of :mod:`lck_ep.moe.fused_gemm` at a few tile configurations, with the largest relative difference of
+``act`` between them; whether the layer should take the fused kernel is for these rows to say.
+
 Every row has the GPU time (:func:`time_cuda`: L2 flushed, host given a head start), the host time per call
 (:func:`host_ms`; empty where a provider synchronises) and the loop time (back to back), the peak memory
 above what was allocated before the call, and TFLOP/s (6·T·K·H·F forward, three times that for
@@ -174,6 +179,59 @@ def _runner(
     return run
 
 
+# The first GEMM alone (forward): the layer's three passes against the experimental fused kernel
+# (lck_ep.moe.fused_gemm) at a few tile configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+GEMM1_CONFIGS = [(128, 64, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 32, 64, 4, 4)]
+
+
+def _gemm1_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> list[Any]:
+    import torch
+
+    from lck_ep.moe import grouped, launch
+    from lck_ep.moe.fused_gemm import gather_gemm_swiglu
+    from lck_ep.moe.permute import build_local_layout
+    from lck_runtime.benchmarking import Record
+
+    lay = build_local_layout(inp["idx"], shape.experts, 1)
+    k = shape.topk
+    w_e = launch.gather_rows(inp["x"], lay.entry, k, inp["w"].reshape(-1))[1]
+
+    def separate() -> Any:
+        x_e, _ = launch.gather_rows(inp["x"], lay.entry, k, None)
+        h = grouped.mm(x_e, inp["w1"], lay.ends)
+        return h, launch.swiglu_weighted_fwd(h, w_e, lay.ends)
+
+    runs: dict[str, Callable[[], Any]] = {"lck_gather_grouped_mm_act": separate}
+    for bm, bn, bk, warps, stages in GEMM1_CONFIGS:
+        runs[f"triton_fused_{bm}x{bn}x{bk}_w{warps}_s{stages}"] = (
+            lambda bm=bm, bn=bn, bk=bk, warps=warps, stages=stages: gather_gemm_swiglu(
+                inp["x"], lay.entry, k, inp["w1"], w_e, lay.ends, block_m=bm, block_n=bn, block_k=bk,
+                num_warps=warps, num_stages=stages,
+            )
+        )  # fmt: skip
+    used = int(lay.ends[-1])
+    want = separate()[1][:used].float()
+    rows = []
+    for name, run in runs.items():
+        rec = Record("moe_gemm1", name, "fwd", shape.label, str(inp["x"].dtype).replace("torch.", ""))
+        try:
+            with torch.no_grad():
+                got = _measure(run, cuda, False, iters)
+                act = run()[1][:used].float()
+            rec.median_ms, rec.p20_ms, rec.p80_ms = got["median_ms"], got["p20_ms"], got["p80_ms"]
+            rec.peak_mib = got["peak_mib"]
+            rec.extra = {
+                "host_ms": got["host_ms"],
+                "loop_ms": got["loop_ms"],
+                "tflops": 4.0 * shape.tokens * k * shape.hidden * shape.ffn / (rec.median_ms * 1e-3) / 1e12,
+                "max_rel_diff_act": float((act - want).abs().max() / want.abs().max().clamp(min=1e-30)),
+            }
+        except Exception as exc:
+            rec.error = repr(exc)
+        rows.append(rec)
+    return rows
+
+
 PROVIDERS: dict[str, Callable[[dict[str, Any], Shape], Callable[[bool], Any]]] = {
     "lck": _lck,
     "grouped_mm_eager": _eager_layer,
@@ -278,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{rec.median_ms:.3f} ms" if rec.median_ms else str(rec.error)[:60]
                 )
                 bar.step(note)
+        if cuda and not args.only:
+            records += _gemm1_rows(inp, shape, cuda, args.iters)
     slug = gpu_slug() if cuda else "cpu"
     stem = f"{slug}-{_dt.date.today().isoformat()}-moe"
     meta = {
