@@ -290,3 +290,45 @@ def stop(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     dist.barrier()
     L.finalize()
     return out
+
+
+def fp8(rank: int, world: int, seed: int) -> list[str]:
+    """FP8 rows (e4m3 values, a float32 scale per 128 channels) through the native backend, against the
+    reference: synced and sync-free, a cached-handle replay, the expanded layout."""
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    errors: list[str] = []
+    try:
+        configure(world, 64)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        case = CASES[0]
+        g = torch.Generator().manual_seed(seed + rank)
+        x, idx, _, _, _, _ = inputs(case, world, rank, seed)
+        x8 = (x.float() * 4).to(torch.float8_e4m3fn)
+        s = torch.rand(x.shape[0], case.hidden // 128, generator=g) + 0.5
+        args = (dist.group.WORLD, case.tokens, case.hidden, case.num_topk, E_PER_RANK * world)
+        for sync_free in (False, True):
+            cmp = Compare(rank, f"fp8 {'sync-free' if sync_free else 'synced'}")
+            nat = Buffer(*args, sync_free=sync_free, device=dev, backend="nvshmem")
+            ref = Buffer(*args, sync_free=sync_free, device="cpu", backend="reference")
+            dn = nat.dispatch((x8.to(dev), s.to(dev)), idx.to(dev))
+            dr = ref.dispatch((x8, s), idx)
+            cmp("recv fp8", dn.recv_x[0].view(torch.uint8), dr.recv_x[0].view(torch.uint8))
+            cmp("recv scales", dn.recv_x[1], dr.recv_x[1])
+            cmp("recv_topk_idx", dn.recv_topk_idx, dr.recv_topk_idx)
+            rn = nat.dispatch((x8.to(dev), s.to(dev)), handle=dn.handle).recv_x
+            rr = ref.dispatch((x8, s), handle=dr.handle).recv_x
+            cmp("replay fp8", rn[0].view(torch.uint8), rr[0].view(torch.uint8))
+            en = nat.dispatch((x8.to(dev), s.to(dev)), idx.to(dev), expand=True, expert_alignment=128)
+            er = ref.dispatch((x8, s), idx, expand=True, expert_alignment=128)
+            cmp("expanded fp8", en.recv_x[0].view(torch.uint8), er.recv_x[0].view(torch.uint8))
+            cmp("expanded scales", en.recv_x[1], er.recv_x[1])
+            nat.check_errors()
+            errors += cmp.errors
+        L.finalize()
+    except Exception:
+        errors.append(f"rank {rank} raised:\n{traceback.format_exc()}")
+    return errors

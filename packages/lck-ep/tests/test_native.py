@@ -154,6 +154,17 @@ def test_native_equals_reference_bit_for_bit(world: int) -> None:
 
 
 @pytest.mark.gpu
+def test_native_fp8_rows_equal_reference() -> None:
+    from _native_worker import fp8
+
+    _need(2)
+    seed = random.randrange(1, 2**30)
+    outs = run_workers(fp8, 2, seed, timeout=TIMEOUT, env=_gpu_env(2))
+    errors = [e for per_rank in outs for e in per_rank]
+    assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound(world: int) -> None:
     from _native_worker import stop

@@ -52,7 +52,7 @@ BUFFER_FIELDS = (
     "native",
 )
 OPS = {1: "dispatch", 2: "combine", 3: "__init__"}
-_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPES.items()}
 
 

@@ -39,13 +39,14 @@ data movement after a call's agreement in :mod:`lck_ep._exchange`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from lck_ep import _exchange, _native_exchange, capture, reference
+from lck_ep import _exchange, _native_exchange, capture, fp8, reference
 from lck_ep._construction import check_args, check_group, resolve_device
 
 # Re-exported: lck_ep.benchmark imports it from this module.
@@ -65,7 +66,7 @@ _UIDS = itertools.count(1)
 class DispatchOutput(NamedTuple):
     """``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; unpacks as a 5-tuple."""
 
-    recv_x: torch.Tensor
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a pair for FP8 rows
     recv_topk_idx: torch.Tensor | None
     recv_topk_weights: torch.Tensor | None
     handle: DispatchHandle
@@ -274,7 +275,9 @@ class Buffer:
         """Send each token to the ranks hosting its experts. Collective over the Buffer's group.
 
         Args:
-            x: ``[num_tokens, hidden]`` bf16/fp16/fp32, contiguous, ``num_tokens <= max_tokens_per_rank``.
+            x: ``[num_tokens, hidden]`` bf16/fp16/fp32, contiguous, ``num_tokens <= max_tokens_per_rank``;
+                or FP8 rows as a pair ``(x_fp8 [num_tokens, hidden] float8_e4m3fn, x_scales [num_tokens,
+                hidden / 128] float32)`` (hidden a multiple of 128), returned as the same kind of pair.
             topk_idx: ``[num_tokens, num_topk]`` int64, global expert indices in ``[0, E)`` or -1.
             topk_weights: optional ``[num_tokens, num_topk]`` float32.
             handle: replay the layout of an earlier dispatch of this Buffer (then ``x`` must have that
@@ -368,12 +371,13 @@ class Buffer:
         digest = plan.digest() if plan is not None else None
         table = agree(self.group, self._home, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
         assert plan is not None
+        given, plan = plan, self._packed(plan)
         if plan.handle is not None:
             if self._native is not None:
                 recv_x = _native_exchange.replay(self, plan.handle, plan.x)
             else:
                 recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
-            return DispatchOutput(recv_x, None, None, plan.handle, Event(self.device))
+            return DispatchOutput(self._unpacked(recv_x, given), None, None, plan.handle, Event(self.device))
         assert layout is not None
         bad_ranks = [s for s in range(w) if int(table[s, 0])]
         if bad_ranks:
@@ -390,22 +394,35 @@ class Buffer:
             got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local))
         else:
             got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
-        return DispatchOutput(*got, Event(self.device))
+        return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
 
     def _dispatch_sync_free(self, plan: DispatchPlan) -> DispatchOutput:
+        given, plan = plan, self._packed(plan)
         h = plan.handle
         if h is not None:
             if self._native is not None:
                 recv_x = _native_exchange.replay(self, h, plan.x)
             else:
                 recv_x = _exchange.replay_sync_free(self._topo, h, plan.x, plan.num_worst_tokens)
-            return DispatchOutput(recv_x, None, None, h, Event(self.device))
+            return DispatchOutput(self._unpacked(recv_x, given), None, None, h, Event(self.device))
         assert plan.topk_idx is not None
         if self._native is not None:
             got = _native_exchange.dispatch(self, plan, self._layout(plan.topk_idx), None)
         else:
             got = _exchange.dispatch_sync_free(self, plan, self._layout(plan.topk_idx))
-        return DispatchOutput(*got, Event(self.device))
+        return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
+
+    @staticmethod
+    def _packed(plan: DispatchPlan) -> DispatchPlan:
+        """FP8 rows travel as one byte row per token (values, then scales): see :mod:`lck_ep.fp8`."""
+        if plan.x_scales is None:
+            return plan
+        return dataclasses.replace(plan, x=fp8.pack(plan.x, plan.x_scales))
+
+    def _unpacked(
+        self, recv_x: torch.Tensor, plan: DispatchPlan
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return recv_x if plan.x_scales is None else fp8.unpack(recv_x, self.hidden)
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -15,6 +15,7 @@ import torch
 
 from lck_ep.agreement import dtype_code
 from lck_ep.buffer_view import BufferView
+from lck_ep.fp8 import FP8_BLOCK, FP8_DTYPE
 from lck_ep.handle import DispatchHandle
 
 __all__ = ["CombinePlan", "DispatchPlan", "check_combine", "check_dispatch", "check_tensor"]
@@ -86,6 +87,7 @@ class DispatchPlan:
     expand: bool
     expert_alignment: int
     num_worst_tokens: int  # 0 = synced
+    x_scales: torch.Tensor | None = None  # FP8 rows: the float32 scales beside x (float8_e4m3fn)
 
     @property
     def sync_free(self) -> bool:
@@ -119,6 +121,7 @@ def check_dispatch(
 ) -> DispatchPlan:
     where = "dispatch"
     h, dev = buffer.hidden, buffer.device
+    x, scales, dtypes = _split_fp8(x, h, where)
     if handle is not None:
         handle = check_handle(buffer, handle, where=where)
         if topk_idx is not None or topk_weights is not None:
@@ -135,7 +138,8 @@ def check_dispatch(
                     f"{where}: {name}={given!r} contradicts the handle, which was dispatched with "
                     f"{name}={have!r}; leave it out when replaying"
                 )
-        x = check_tensor(x, "x", where=where, dtypes=X_DTYPES, shape=(handle.num_tokens, h), device=dev)
+        x = check_tensor(x, "x", where=where, dtypes=dtypes, shape=(handle.num_tokens, h), device=dev)
+        scales = _check_scales(scales, handle.num_tokens, h, where, dev)
         return DispatchPlan(
             x=x,
             topk_idx=None,
@@ -146,6 +150,7 @@ def check_dispatch(
             expand=handle.expand,
             expert_alignment=handle.expert_alignment,
             num_worst_tokens=handle.num_worst_tokens or 0,
+            x_scales=scales,
         )
     if topk_idx is None:
         raise ValueError(f"{where}: topk_idx is required unless a cached handle is given")
@@ -165,7 +170,9 @@ def check_dispatch(
     else:
         nwt = _check_int(num_worst_tokens, "num_worst_tokens", where=where, low=1, high=worst)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(
+            f"{where}: x must be a torch.Tensor, got {type(x).__name__} (FP8 rows go as an (x_fp8, x_scales) pair)"
+        )
     if x.dim() != 2:
         raise ValueError(f"{where}: x must be 2-D [num_tokens, hidden], got shape {list(x.shape)}")
     if x.shape[1] != h:
@@ -175,7 +182,8 @@ def check_dispatch(
         raise ValueError(
             f"{where}: x has {n} tokens, more than the Buffer's max_tokens_per_rank={buffer.max_tokens_per_rank}"
         )
-    x = check_tensor(x, "x", where=where, dtypes=X_DTYPES, shape=(n, h), device=dev)
+    x = check_tensor(x, "x", where=where, dtypes=dtypes, shape=(n, h), device=dev)
+    scales = _check_scales(scales, n, h, where, dev)
     topk_idx = check_tensor(
         topk_idx, "topk_idx", where=where, dtypes=(torch.int64,), shape=(n, buffer.num_topk), device=dev
     )
@@ -198,6 +206,27 @@ def check_dispatch(
         expand=expand,
         expert_alignment=alignment,
         num_worst_tokens=nwt,
+        x_scales=scales,
+    )
+
+
+def _split_fp8(x: Any, h: int, where: str) -> tuple[Any, Any, tuple[torch.dtype, ...]]:
+    """``(x, scales or None, accepted dtypes of x)``: an ``(x_fp8, x_scales)`` pair is FP8 rows."""
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        return x, None, X_DTYPES  # anything but a pair is checked (and refused) as a plain tensor
+    if h % FP8_BLOCK:
+        raise ValueError(
+            f"{where}: FP8 rows carry one scale per {FP8_BLOCK} channels, so hidden must be a multiple of "
+            f"{FP8_BLOCK}; the Buffer's hidden is {h}"
+        )
+    return x[0], x[1], (FP8_DTYPE,)
+
+
+def _check_scales(scales: Any, n: int, h: int, where: str, dev: torch.device) -> torch.Tensor | None:
+    if scales is None:
+        return None
+    return check_tensor(
+        scales, "x_scales", where=where, dtypes=(torch.float32,), shape=(n, h // FP8_BLOCK), device=dev
     )
 
 

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 DEFAULT_NUM_SMS = 24  # channels (blocks) per kernel unless the Buffer is given num_sms
-NATIVE_DTYPES = (torch.bfloat16, torch.float16)  # rows the workspace is sized for (2-byte elements)
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # rows of at most 2 bytes per channel
 _THREADS = 512
 _PHASES = {
     1: "dispatch, waiting for a destination to finish reading the previous operation",
@@ -198,7 +198,10 @@ class NativeEp:
         num_local_experts: int,
         num_sms: int,
         timeout_ns: int,
+        hidden: int,
     ) -> None:
+        """Store ``x``'s rows (any row width up to ``2 * hidden`` bytes) into the destinations' regions;
+        their routing goes at :func:`meta_offset` of the Buffer's ``hidden``."""
         from lck_runtime.jit import I32, I64, U64, Ptr
 
         lay = self.layout
@@ -218,7 +221,7 @@ class NativeEp:
                 self.peer_sig,
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
-                I64(meta_offset(x.shape[1])),
+                I64(meta_offset(hidden)),
                 I32(x.shape[0]),
                 I32(k),
                 I32(self.size),
@@ -263,7 +266,7 @@ class NativeEp:
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
                 I64(meta_offset(hidden)),
-                I64(hidden * recv_x.element_size()),
+                I64(recv_x.shape[1] * recv_x.element_size()),
                 I64(cap),
                 I64(recv_x.shape[0]),
                 I32(self.size),
