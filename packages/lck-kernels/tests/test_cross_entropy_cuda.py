@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tolerances import assert_close, poison
+from _tolerances import assert_close
 from test_cross_entropy import assert_close_on_device, check_against_reference, make_case, reference_chunks
 
 from lck_kernels._common import interpreting, tuning
@@ -20,12 +20,6 @@ from lck_kernels.cross_entropy import cuda as cc
 from lck_kernels.cross_entropy import launch as _cross_entropy_launch
 
 gpu = pytest.mark.gpu
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    real = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real(*a, **k)))
 
 
 @pytest.fixture

@@ -128,12 +128,7 @@ class LckCrossEntropyLoss(torch.nn.Module):
     ):
         super().__init__()
         check_loss_options(
-            "LckCrossEntropyLoss",
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale,
-            softcap=softcap,
-            reduction=reduction,
+            "LckCrossEntropyLoss", ignore_index, label_smoothing, lse_square_scale, softcap, reduction
         )
         if weight is not None and not isinstance(weight, torch.Tensor):
             raise TypeError(

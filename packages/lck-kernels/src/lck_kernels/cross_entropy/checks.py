@@ -32,7 +32,6 @@ def check_loss_dtype(op: str, loss_dtype: object, input_dtype: torch.dtype) -> t
 
 def check_loss_options(
     op: str,
-    *,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
@@ -99,14 +98,7 @@ def check_cross_entropy_inputs(
     check_target(op, target, logits.shape[0], expected="logits")
     check_same_device(op, logits=logits, target=target)
     check_class_weight(op, "weight", weight, logits.shape[1], logits)
-    check_loss_options(
-        op,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        reduction=reduction,
-    )
+    check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
 
 
 def unpack_saved_gradient(ctx, op: str) -> tuple[torch.Tensor, ...]:

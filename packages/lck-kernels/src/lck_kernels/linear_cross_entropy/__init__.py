@@ -131,14 +131,7 @@ def fused_linear_cross_entropy(
     op = "fused_linear_cross_entropy"
     x2, t1 = flatten_tokens(op, x, target)
     check_linear_inputs(op, x2, weight, t1, bias, class_weight)
-    check_loss_options(
-        op,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        reduction=reduction,
-    )
+    check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
     check_chunking(op, chunk_bytes, max_chunk_tokens)
     check_flag(op, "return_z_loss", return_z_loss)
     loss_dtype = check_loss_dtype(op, loss_dtype, x.dtype)
@@ -188,14 +181,7 @@ class LckFusedLinearCrossEntropyLoss(torch.nn.Module):
     ):
         super().__init__()
         op = "LckFusedLinearCrossEntropyLoss"
-        check_loss_options(
-            op,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale,
-            softcap=softcap,
-            reduction=reduction,
-        )
+        check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
         check_chunking(op, chunk_bytes, max_chunk_tokens)
         if class_weight is not None and not isinstance(class_weight, torch.Tensor):
             raise TypeError(f"{op}: class_weight must be None or a tensor, got {type(class_weight).__name__}")
@@ -259,14 +245,7 @@ def fused_linear_scaled_cross_entropy(
     """
     x2, t1 = flatten_tokens(OP, x, target)
     check_linear_inputs(OP, x2, weight, t1, bias, None)
-    check_loss_options(
-        OP,
-        ignore_index=ignore_index,
-        label_smoothing=0.0,
-        lse_square_scale=0.0,
-        softcap=None,
-        reduction=reduction,
-    )
+    check_loss_options(OP, ignore_index, 0.0, 0.0, None, reduction)
     check_inverse_temperature(OP, inverse_temperature)
     check_flag(OP, "return_entropy", return_entropy)
     check_chunking(OP, chunk_bytes, max_chunk_tokens)
@@ -317,14 +296,7 @@ class LckFusedLinearScaledCrossEntropy(torch.nn.Module):
         super().__init__()
         op = "LckFusedLinearScaledCrossEntropy"
         check_inverse_temperature(op, inverse_temperature)
-        check_loss_options(
-            op,
-            ignore_index=ignore_index,
-            label_smoothing=0.0,
-            lse_square_scale=0.0,
-            softcap=None,
-            reduction=reduction,
-        )
+        check_loss_options(op, ignore_index, 0.0, 0.0, None, reduction)
         check_flag(op, "return_entropy", return_entropy)
         check_chunking(op, chunk_bytes, max_chunk_tokens)
         self.options = {

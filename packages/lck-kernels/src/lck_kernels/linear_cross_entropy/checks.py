@@ -71,14 +71,7 @@ def check_flag(op: str, name: str, value: object) -> None:
 
 
 def check_op_scalars(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_tokens):
-    check_loss_options(
-        op,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap or None,
-        reduction=reduction,
-    )
+    check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap or None, reduction)
     if chunk_tokens < 1:
         raise ValueError(f"{op}: chunk_tokens must be >= 1, got {chunk_tokens}")
 
