@@ -129,6 +129,9 @@ def test_eager_calls_skip_the_dispatcher(stubbed_launches: None, monkeypatch: py
     monkeypatch.setattr(EagerOp, "__call__", spy)
     step = _steps()["rms_norm"]
     step()
+    norm = L.LckRMSNorm(64)  # a module's weight is an nn.Parameter: still a direct call
+    x = torch.randn(4, 64, requires_grad=True)
+    torch.autograd.grad(norm(x).sum(), (x, norm.weight))
     assert entered == []
 
     class Passthrough(TorchDispatchMode):

@@ -38,6 +38,9 @@ class _State(threading.local):
 
 
 _state = _State()
+# A parameter is a plain tensor to the kernels (its __torch_function__ is torch's default): modules'
+# weights take the direct path too.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def direct() -> bool:
@@ -47,8 +50,8 @@ def direct() -> bool:
 
 def plain_eager(args: Sequence[Any]) -> bool:
     """True when nothing but our own code needs to see this call: eager (not compiling), no dispatch or
-    function mode, no functorch transform, and every tensor argument a plain ``torch.Tensor`` (no fake,
-    functional or subclass tensors)."""
+    function mode, no functorch transform, and every tensor argument a plain ``torch.Tensor`` or
+    ``nn.Parameter`` (no fake, functional or other subclass tensors)."""
     if _set_wrap_triton_enabled is None or torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
@@ -56,7 +59,7 @@ def plain_eager(args: Sequence[Any]) -> bool:
     if torch._C._are_functorch_transforms_active():
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
             return False
     return True
 
@@ -175,10 +178,10 @@ def _specialisation(args: tuple[Any, ...]) -> tuple[Any, ...]:
     compiled kernel."""
     key = []
     for a in args:
-        if type(a) is torch.Tensor:
-            key.append((a.dtype, (a.data_ptr() & 15) == 0))
-        elif type(a) is int:
+        if type(a) is int:
             key.append((a == 1, (a & 15) == 0, -_I32 <= a < _I32))
+        elif isinstance(a, torch.Tensor):  # parameters too (a weight is usually one)
+            key.append((a.dtype, (a.data_ptr() & 15) == 0))
         else:
             key.append(type(a))
     return tuple(key)
