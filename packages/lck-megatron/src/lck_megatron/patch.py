@@ -18,6 +18,8 @@ original object (identity, not name), recording ``(module, attribute, original)`
   torch norm), and the other local specs. TE and Apex norms are different objects and stay as they are.
 - Linear cross entropy: ``GPTModel._postprocess`` (and ``HybridModel.forward`` / ``MambaModel.forward`` where
   the installed version defines them) are wrapped on their class; see :mod:`lck_megatron.linear_cross_entropy`.
+- MoE: ``MoELayer.__init__`` is wrapped on its class and ``moe_layer``'s dispatcher names become switches, so
+  supported layers get lck's token dispatcher and grouped experts; see :mod:`lck_megatron.moe`.
 
 The record of patched sites (and Megatron's originals) lives in :mod:`lck_megatron._bindings`.
 
@@ -73,6 +75,8 @@ _CONSUMERS = {
         "megatron.core.models.hybrid.hybrid_model",
         "megatron.core.models.mamba.mamba_model",
     ),
+    # MoELayer.__init__ and the dispatcher names of moe_layer (see lck_megatron.moe).
+    "moe": ("megatron.core.transformer.moe.moe_layer",),
 }
 FEATURES = tuple(_CONSUMERS)
 __all__ = ["FEATURES", "Binding", "applied", "apply_lck_to_megatron", "original", "revert_lck_from_megatron"]
@@ -148,6 +152,7 @@ def apply_lck_to_megatron(
     *,
     swiglu_in_place: bool = False,
     linear_cross_entropy: bool = False,
+    moe: bool = False,
 ) -> dict[str, list[str]]:
     """Patch megatron-core so that its RMSNorm, cross-entropy, SwiGLU and output-layer consumers run lck.
 
@@ -162,6 +167,9 @@ def apply_lck_to_megatron(
             never materialising the logits (:mod:`lck_megatron.linear_cross_entropy`). Takes precedence
             over ``cross_entropy`` for those calls; calls it does not take keep Megatron's path (and so
             ``cross_entropy``'s route, when that is patched too).
+        moe: Megatron MoE layers built afterwards route their tokens through ``lck_ep.Buffer`` and run their
+            local-spec experts (``SequentialMLP``) as lck's grouped experts, keeping Megatron's parameters;
+            configurations lck does not take stay Megatron's with one logged reason (:mod:`lck_megatron.moe`).
 
     A flag set to False leaves that part as it is (it does not undo an earlier patch; use
     :func:`revert_lck_from_megatron`). Idempotent: applying the same patch again rebinds only consumer
@@ -182,6 +190,7 @@ def apply_lck_to_megatron(
         "swiglu": swiglu,
         "swiglu_in_place": swiglu_in_place,
         "linear_cross_entropy": linear_cross_entropy,
+        "moe": moe,
     }
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -211,6 +220,13 @@ def apply_lck_to_megatron(
                     state = Applied(key, [], [], route=LinearCrossEntropyRoute())
                     applied_features[feature] = state
                 state.bindings.extend(_patch_classes(state.route))
+            elif feature == "moe":
+                from lck_megatron.moe import MoERoute, apply_moe
+
+                if state is None:
+                    state = Applied(key, [], [], route=MoERoute())
+                    applied_features[feature] = state
+                state.bindings.extend(apply_moe(state.route))
             elif state is None:
                 pairs = _make_pairs(feature, options)
                 state = Applied(key, pairs, rebind(pairs))
@@ -252,4 +268,12 @@ def linear_cross_entropy_route() -> Any:
     ``fallback_reasons``), or None when ``linear_cross_entropy`` is not patched."""
     with lock:
         state = applied_features.get("linear_cross_entropy")
+        return None if state is None else state.route
+
+
+def moe_route() -> Any:
+    """The active :class:`~lck_megatron.moe.MoERoute` (``layers`` built through lck or left to Megatron, and
+    ``fallback_reasons``), or None when ``moe`` is not patched."""
+    with lock:
+        state = applied_features.get("moe")
         return None if state is None else state.route
