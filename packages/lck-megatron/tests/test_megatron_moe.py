@@ -1,0 +1,230 @@
+"""``apply_lck_to_megatron(moe=True)``: a patched Megatron MoE layer against the stock one, state dicts, revert,
+the fallback policy.
+
+On the CPU two things of Megatron's MoE layer need CUDA: ``MoEAlltoAllTokenDispatcher.__init__`` creates a CUDA
+stream, and the router's ``gating`` moves its weight to the current CUDA device. So the CPU tests take the stock
+reference from Megatron's allgather dispatcher (at EP=1 it computes the same function as the alltoall one, with
+the same ``SequentialMLP``), and run the router's gate as a plain CPU linear (the rest of the router, top-k,
+softmax and routing map, is Megatron's). The ``gpu`` test compares with the stock alltoall layer on CUDA as is.
+lck's kernels run under Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import assert_close, kernel_device, transformer_config
+
+pytestmark = pytest.mark.megatron
+
+E, K, FFN = 4, 2, 48
+
+
+def moe_config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_ffn_hidden_size=FFN,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+    )
+    kwargs.update(overrides)
+    return transformer_config(dtype, **kwargs)
+
+
+def build_moe(config: Any) -> Any:
+    """Megatron's MoELayer from its local (non-TE) spec: router, dispatcher, SequentialMLP experts."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if callable(spec):  # 0.19: a builder
+        return spec(config=config)
+    from megatron.core.transformer.spec_utils import build_module  # 0.16: a ModuleSpec
+
+    return build_module(spec, config=config)
+
+
+@pytest.fixture
+def cpu_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's router gate without its move to CUDA (see the module docstring)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    monkeypatch.setattr(TopKRouter, "gating", lambda self, x: F.linear(x.float(), self.weight.float()))
+
+
+def _fwd_bwd(layer: Any, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    xi = x.detach().clone().requires_grad_(True)
+    out, bias = layer(xi)
+    assert bias is None
+    out.backward(dout)
+    got = {"out": out.detach(), "dx": xi.grad}
+    got.update({n: p.grad for n, p in layer.named_parameters()})
+    return got
+
+
+def _stock_and_patched(dtype: torch.dtype, dispatcher: str = "alltoall") -> tuple[Any, Any]:
+    from lck_megatron import apply_lck_to_megatron
+    from lck_megatron.moe import LckSequentialMLP, LckTokenDispatcher
+
+    stock_kind = "alltoall" if torch.cuda.is_available() else "allgather"
+    torch.manual_seed(0)
+    stock = build_moe(moe_config(dtype, moe_token_dispatcher_type=stock_kind))
+    apply_lck_to_megatron(rms_norm=False, moe=True)
+    patched = build_moe(moe_config(dtype, moe_token_dispatcher_type=dispatcher))
+    assert isinstance(patched.token_dispatcher, LckTokenDispatcher)
+    assert type(patched.experts) is LckSequentialMLP
+    patched.load_state_dict(stock.state_dict())
+    dev = kernel_device()
+    return stock.to(dev), patched.to(dev)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
+def test_patched_layer_matches_stock(megatron_tp1: None, cpu_gate: None, dispatcher: str) -> None:
+    try:
+        stock, patched = _stock_and_patched(torch.float32, dispatcher)
+    except (AssertionError, ValueError, ImportError) as exc:
+        if dispatcher == "flex" and "lck" not in str(exc):
+            pytest.skip(f"this megatron-core does not accept a flex config here: {exc}")
+        raise
+    dev = kernel_device()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 2, 32, generator=gen).to(dev)
+    dout = torch.randn(8, 2, 32, generator=gen).to(dev)
+    want = _fwd_bwd(stock, x, dout)
+    got = _fwd_bwd(patched, x, dout)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert ref is not None and got[name] is not None, name
+        assert_close(got[name], ref, torch.float32, name=name)
+
+
+def test_routing_to_topk_keeps_expert_order_and_marks_unused_slots() -> None:
+    from lck_megatron.moe import routing_to_topk
+
+    routing = torch.tensor([[False, True, False, True], [True, False, False, False], [False] * 4])
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7], [1.0, 0.0, 0.0, 0.0], [0.0] * 4], requires_grad=True)
+    idx, w = routing_to_topk(routing, probs, 2)
+    assert idx.tolist() == [[1, 3], [0, -1], [-1, -1]]
+    assert w.tolist() == [[pytest.approx(0.3), pytest.approx(0.7)], [1.0, 0.0], [0.0, 0.0]]
+    w.sum().backward()
+    assert probs.grad.tolist() == routing.float().tolist()
+
+
+def test_state_dicts_are_interchangeable(megatron_tp1: None) -> None:
+    from lck_megatron import apply_lck_to_megatron
+
+    torch.manual_seed(0)
+    stock = build_moe(moe_config(moe_token_dispatcher_type="allgather"))
+    apply_lck_to_megatron(rms_norm=False, moe=True)
+    patched = build_moe(moe_config())
+    a, b = stock.state_dict(), patched.state_dict()
+    assert list(a) == list(b), "the patched layer must keep Megatron's parameter names and order"
+    tensors = [k for k in a if isinstance(a[k], torch.Tensor)]  # Megatron's _extra_state entries are None
+    assert all(isinstance(b[k], torch.Tensor) for k in tensors)
+    assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in tensors)
+    assert "experts.local_experts.0.linear_fc1.weight" in b and b[
+        "experts.local_experts.0.linear_fc1.weight"
+    ].shape == (
+        2 * FFN,
+        32,
+    )
+    patched.load_state_dict(a, strict=True)
+    stock.load_state_dict(b, strict=True)
+    assert all(torch.equal(stock.state_dict()[k], patched.state_dict()[k]) for k in tensors)
+
+
+def test_revert_restores_every_symbol_and_apply_is_idempotent(megatron_tp1: None) -> None:
+    from megatron.core.transformer.moe import moe_layer
+
+    from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
+    from lck_megatron.moe import DISPATCHERS
+
+    before = {n: getattr(moe_layer, n) for n in DISPATCHERS}
+    init = vars(moe_layer.MoELayer)["__init__"]
+    first = apply_lck_to_megatron(rms_norm=False, moe=True)["moe"]
+    assert sorted(first) == sorted(
+        [f"{moe_layer.__name__}.{n}" for n in DISPATCHERS] + [f"{moe_layer.__name__}.MoELayer.__init__"]
+    )
+    wrapped = vars(moe_layer.MoELayer)["__init__"]
+    assert wrapped is not init and all(getattr(moe_layer, n) is not before[n] for n in DISPATCHERS)
+    assert apply_lck_to_megatron(rms_norm=False, moe=True)["moe"] == first  # nothing wrapped twice
+    assert vars(moe_layer.MoELayer)["__init__"] is wrapped
+    restored = revert_lck_from_megatron()
+    assert sorted(restored) == sorted(first)
+    assert vars(moe_layer.MoELayer)["__init__"] is init
+    assert all(getattr(moe_layer, n) is before[n] for n in DISPATCHERS)
+    assert revert_lck_from_megatron() == []
+
+
+def test_unsupported_layer_stays_megatron_and_logs_once(
+    megatron_tp1: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from lck_megatron import apply_lck_to_megatron
+    from lck_megatron.patch import moe_route
+
+    apply_lck_to_megatron(rms_norm=False, moe=True)
+    with caplog.at_level(logging.INFO, logger="lck_megatron"):
+        layers = [build_moe(moe_config(moe_token_dispatcher_type="allgather")) for _ in range(2)]
+    for layer in layers:
+        assert type(layer.experts) is SequentialMLP
+        assert type(layer.token_dispatcher) is MoEAllGatherTokenDispatcher
+    logged = [r.getMessage() for r in caplog.records if "stays on Megatron's path" in r.getMessage()]
+    assert len(logged) == 1 and "moe_token_dispatcher_type='allgather'" in logged[0], logged
+    route = moe_route()
+    assert route.layers["megatron"] >= 2 and any("allgather" in r for r in route.fallback_reasons)
+
+
+def _cfg(**overrides: Any) -> Any:
+    base = dict(
+        moe_token_dispatcher_type="alltoall",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+    )
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"fp8": "hybrid"}, "fp8"),
+        ({"add_bias_linear": True}, "add_bias_linear"),
+        ({"moe_shared_expert_overlap": True}, "moe_shared_expert_overlap"),
+        ({"moe_expert_capacity_factor": 1.0}, "capacity"),
+        ({"moe_pad_expert_input_to_capacity": True}, "capacity"),
+        ({"activation_func": F.gelu}, "SwiGLU"),
+        ({"gated_linear_unit": False}, "SwiGLU"),
+        ({"moe_apply_probs_on_input": True}, "moe_apply_probs_on_input"),
+        ({"moe_token_dispatcher_type": "allgather"}, "allgather"),
+    ],
+)
+def test_unsupported_reasons_name_the_setting(overrides: dict[str, Any], named: str) -> None:
+    from lck_megatron.moe import unsupported_reason
+
+    reason = unsupported_reason(_cfg(**overrides))
+    assert reason is not None and named in reason, reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_patched_layer_matches_stock_alltoall_cuda(megatron_tp1: None, dtype: torch.dtype) -> None:
+    stock, patched = _stock_and_patched(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 4, 32, generator=gen).to("cuda", dtype)
+    dout = torch.randn(512, 4, 32, generator=gen).to("cuda", dtype)
+    want = _fwd_bwd(stock, x, dout)
+    got = _fwd_bwd(patched, x, dout)
+    for name, ref in want.items():
+        assert_close(got[name], ref, dtype, name=name, scale=2.0)
