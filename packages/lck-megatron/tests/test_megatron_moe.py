@@ -228,3 +228,83 @@ def test_patched_layer_matches_stock_alltoall_cuda(megatron_tp1: None, dtype: to
     got = _fwd_bwd(patched, x, dout)
     for name, ref in want.items():
         assert_close(got[name], ref, dtype, name=name, scale=2.0)
+
+
+def _tiny_moe_gpt(dispatcher: str = "alltoall") -> Any:
+    """The demo's MoE GPTModel (its TransformerConfig MoE fields and spec) at a CPU size."""
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from lck_megatron._demo_models import PRESETS, _moe_settings
+
+    shape = replace(PRESETS["moe"][0], layers=2, hidden=32, heads=4, experts=E, topk=K, moe_ffn=FFN)
+    settings = {**_moe_settings(shape), "moe_token_dispatcher_type": dispatcher}
+    config = transformer_config(torch.float32, **settings)
+    spec = get_gpt_layer_local_spec(
+        num_experts=E, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16)
+
+
+def _stock_and_patched_gpt() -> tuple[Any, Any]:
+    from lck_megatron import apply_lck_to_megatron
+    from lck_megatron.moe import LckSequentialMLP
+    from lck_megatron.patch import moe_route
+
+    torch.manual_seed(0)
+    stock = _tiny_moe_gpt(
+        "alltoall" if torch.cuda.is_available() else "allgather"
+    )  # see the module docstring
+    apply_lck_to_megatron(rms_norm=False, moe=True)
+    patched = _tiny_moe_gpt()
+    assert moe_route().layers == {"lck": 2, "megatron": 0}
+    assert sum(type(m) is LckSequentialMLP for m in patched.modules()) == 2
+    assert list(stock.state_dict()) == list(patched.state_dict())
+    patched.load_state_dict(stock.state_dict())
+    return stock, patched
+
+
+def test_demo_moe_model_is_patched(megatron_tp1: None) -> None:
+    """The demo's MoE GPTModel: every MoE layer through lck, Megatron's state dict (its attention needs CUDA,
+    so the forward is the gpu test below)."""
+    _stock_and_patched_gpt()
+
+
+@pytest.mark.gpu
+def test_demo_moe_model_matches_stock_cuda(megatron_tp1: None) -> None:
+    stock, patched = _stock_and_patched_gpt()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3)).cuda()
+    pos = torch.arange(16, device="cuda").unsqueeze(0).expand(2, 16)
+    got = []
+    for model in (stock.cuda(), patched.cuda()):
+        loss = model(tokens, pos, None, labels=tokens).float().mean()
+        loss.backward()
+        got.append((loss.detach(), model.embedding.word_embeddings.weight.grad))
+    assert_close(got[1][0], got[0][0], torch.float32, name="loss")
+    assert_close(got[1][1], got[0][1], torch.float32, name="embedding gradient", scale=10.0)
+
+
+def test_demo_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from lck_megatron import demo
+
+    with pytest.raises(SystemExit):
+        demo._parse(["--moe", "--shape", "small"])
+    assert "--moe trains the moe preset" in capsys.readouterr().err
+    args = demo._parse(["--moe"])
+    assert (args.shape, args.backend) == ("moe", "megatron")
+    if not torch.cuda.is_available():
+        assert demo.main(["--moe", "--out", "unused"]) == 2  # Megatron's model needs CUDA
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_demo_moe_runs_every_layer_through_lck(tmp_path: Any) -> None:
+    import json
+
+    from lck_megatron import demo
+
+    assert demo.main(["--moe", "--steps", "30", "--out", str(tmp_path)]) in (0, 1)
+    runs = json.loads((tmp_path / "demo.json").read_text())["runs"]
+    assert runs[1]["lck_calls"]["moe_layers"] == {"lck": 4, "megatron": 0}

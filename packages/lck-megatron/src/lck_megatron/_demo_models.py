@@ -37,6 +37,9 @@ class ModelShape:
     dtype: torch.dtype
     lr: float
     tied: bool = False  # input embedding and output layer share one weight
+    experts: int = 0  # > 0: every layer's MLP is an MoE layer of this many experts (Megatron model only)
+    topk: int = 0
+    moe_ffn: int = 0  # each expert's intermediate width
 
 
 # name -> (shape, default steps). Each run is timed per step; "about two minutes" for stock + patched
@@ -53,6 +56,12 @@ PRESETS: dict[str, tuple[ModelShape, int]] = {
     "llama3": (ModelShape(2, 2048, 16, 8192, 2048, 8, 128256, torch.bfloat16, 1e-3, tied=True), 250),
     # The same with eight layers: the output layer's share of the step is smaller, and so is lck's gain.
     "llama3-8l": (ModelShape(8, 2048, 16, 8192, 2048, 8, 128256, torch.bfloat16, 1e-3, tied=True), 100),
+    # Qwen3-MoE-like at half of Qwen3-30B-A3B's width (hidden 1024, 64 experts of 384, top-8, QK norm), four
+    # layers, 8 x 1024 tokens a step (``lck demo --moe``; Megatron on a GPU only).
+    "moe": (
+        ModelShape(4, 1024, 16, 3072, 1024, 8, 32768, torch.bfloat16, 1e-3, experts=64, topk=8, moe_ffn=384),
+        200,
+    ),
 }
 
 
@@ -248,6 +257,7 @@ def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    moe = _moe_settings(shape)
     config = TransformerConfig(
         num_layers=shape.layers,
         hidden_size=shape.hidden,
@@ -265,10 +275,12 @@ def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
         params_dtype=shape.dtype,
         masked_softmax_fusion=False,  # the fused kernels need Apex / TE
         cross_entropy_loss_fusion=False,
+        **moe,
     )
+    spec_moe = {"num_experts": shape.experts, "moe_grouped_gemm": False, "qk_layernorm": True} if moe else {}
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", **spec_moe),
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="learned_absolute",
@@ -277,6 +289,23 @@ def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
     # Megatron trains bf16 models wrapped in Float16Module, which casts every parameter (the norms' too)
     # to bf16; do the same, or the norms would keep float32 weights under bf16 activations.
     return model.cuda().to(shape.dtype)
+
+
+def _moe_settings(shape: ModelShape) -> dict[str, Any]:
+    """TransformerConfig fields of an MoE shape (Qwen3-MoE-like: softmax over the top-k, a small load-balancing
+    loss, no token dropping, Megatron's all-to-all dispatcher); ``{}`` for a dense shape."""
+    if shape.experts <= 0:
+        return {}
+    return dict(
+        num_moe_experts=shape.experts,
+        moe_router_topk=shape.topk,
+        moe_ffn_hidden_size=shape.moe_ffn,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-3,
+        moe_router_dtype="fp32",
+        qk_layernorm=True,
+    )
 
 
 def megatron_step_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -29,7 +29,7 @@ from lck_megatron._demo_report import _plot, _report, _tolerance
 from lck_megatron._demo_run import RunResult, copy_weights, report_every, train
 
 # The presets of lck_megatron._demo_models.PRESETS (named here so that parsing imports neither torch nor lck).
-SHAPES = ("cpu", "small", "llama3", "llama3-8l")
+SHAPES = ("cpu", "small", "llama3", "llama3-8l", "moe")
 _GPU_DEFAULT = "llama3"
 
 
@@ -49,9 +49,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default="auto",
         help=f"model preset (auto: cpu without a GPU, {_GPU_DEFAULT} with one; small is the earlier GPU default)",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE-like Megatron GPTModel (--shape moe), patched with moe=True too (GPU and megatron-core)",
+    )
     p.add_argument("--out", default="lck-demo", help="folder for demo.json and loss_curves.png")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    if args.moe and args.shape not in ("auto", "moe"):
+        p.error(f"--moe trains the moe preset; --shape {args.shape} is a dense one")
+    if args.moe and args.backend == "torch":
+        p.error("--moe needs the Megatron-Core model (--backend auto or megatron)")
+    if args.moe:
+        args.shape, args.backend = "moe", "megatron"
     if args.steps is not None and args.steps < 2:
         p.error(f"--steps must be at least 2, got {args.steps}")
     return args
@@ -87,7 +98,9 @@ def _run_megatron(shape: Any, data: Any, device: Any, seed: int, progress: Any) 
         results.append(train("megatron", megatron_step_fn(stock), stock, data, shape, device, progress))
         del stock
         torch.cuda.empty_cache()
-        apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True)
+        apply_lck_to_megatron(
+            rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True, moe=shape.experts > 0
+        )
         try:
             patched = build_megatron_gpt(shape, seed)  # the patch must precede the build (norms)
             copy_weights(patched, init)
@@ -105,10 +118,11 @@ def _lck_calls(model: Any) -> dict[str, dict[str, int]]:
     from megatron.core import tensor_parallel
     from megatron.core.transformer import mlp
 
-    from lck_megatron.patch import linear_cross_entropy_route
+    from lck_megatron.patch import linear_cross_entropy_route, moe_route
     from lck_megatron.rms_norm import LckMegatronRMSNorm
 
     route = linear_cross_entropy_route()
+    moe = moe_route()
     norms = {"lck": 0, "torch": 0}
     for m in model.modules():
         if isinstance(m, LckMegatronRMSNorm):
@@ -119,6 +133,7 @@ def _lck_calls(model: Any) -> dict[str, dict[str, int]]:
         "rms_norm": norms,
         "cross_entropy": dict(getattr(tensor_parallel.vocab_parallel_cross_entropy, "calls", {})),
         "linear_cross_entropy": dict(route.calls) if route is not None else {},
+        "moe_layers": dict(moe.layers) if moe is not None else {},
     }
 
 
