@@ -308,3 +308,87 @@ def test_demo_moe_runs_every_layer_through_lck(tmp_path: Any) -> None:
     assert demo.main(["--moe", "--steps", "30", "--out", str(tmp_path)]) in (0, 1)
     runs = json.loads((tmp_path / "demo.json").read_text())["runs"]
     assert runs[1]["lck_calls"]["moe_layers"] == {"lck": 4, "megatron": 0}
+
+
+def _ep2_reference(
+    router_w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, xs: list, douts: list, rank: int
+):
+    """Float64 MoE over every rank's tokens with every expert (Megatron's default router: softmax over the top-k
+    logits): this rank's output, its input and router-weight gradients (its own tokens), and the experts'
+    weight gradients (every rank's tokens)."""
+    r = router_w.double().requires_grad_(True)
+    a, b = w1.double().requires_grad_(True), w2.double().requires_grad_(True)
+    outs, own = [], None
+    for src, (x, dout) in enumerate(zip(xs, douts)):
+        xd = x.reshape(-1, x.shape[-1]).double().requires_grad_(src == rank)
+        logits = xd @ r.t()
+        top = logits.topk(K, dim=1).indices
+        mask = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1)
+        h = torch.einsum("th,efh->tef", xd, a)
+        act = F.silu(h[..., :FFN]) * h[..., FFN:]
+        y = torch.einsum("te,tef,ehf->th", probs, act, b)
+        outs.append((y * dout.reshape(y.shape).double()).sum())
+        if src == rank:
+            own = (xd, y)
+    assert own is not None
+    dx, dr = torch.autograd.grad(outs[rank], (own[0], r), retain_graph=True)
+    da, db = torch.autograd.grad(sum(outs), (a, b))
+    return own[1], dx, dr, da, db
+
+
+def _ep2_worker(rank: int, world: int) -> int:
+    """At EP=2 over gloo (Megatron's stock dispatchers need CUDA there): the patched layer, rows through
+    lck_ep.Buffer, each rank with its own tokens (uneven counts) and half of the experts, against float64."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from lck_megatron import apply_lck_to_megatron
+
+    TopKRouter.gating = lambda self, x: F.linear(
+        x.float(), self.weight.float()
+    )  # a spawned process: no revert needed
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2)
+    try:
+        apply_lck_to_megatron(rms_norm=False, moe=True)
+        torch.manual_seed(0)  # the same router on both ranks
+        layer = build_moe(moe_config())
+        local = layer.experts.local_experts
+        assert layer.token_dispatcher.ep_size == 2 and len(local) == E // 2
+        g = torch.Generator().manual_seed(5)  # every expert's weights, known on both ranks
+        w1 = torch.randn(E, 2 * FFN, 32, generator=g) * 0.2
+        w2 = torch.randn(E, 32, FFN, generator=g) * 0.2
+        with torch.no_grad():
+            for i, expert in enumerate(local):
+                expert.linear_fc1.weight.copy_(w1[rank * len(local) + i])
+                expert.linear_fc2.weight.copy_(w2[rank * len(local) + i])
+        xs, douts = [], []
+        for src in range(world):
+            gen = torch.Generator().manual_seed(10 + src)
+            xs.append(torch.randn(6 + 2 * src, 1, 32, generator=gen))
+            douts.append(torch.randn(6 + 2 * src, 1, 32, generator=gen))
+        got = _fwd_bwd(layer, xs[rank], douts[rank])
+        assert layer.token_dispatcher.buffer is not None
+        y, dx, dr, da, db = _ep2_reference(layer.router.weight.detach(), w1, w2, xs, douts, rank)
+        mine = slice(rank * len(local), (rank + 1) * len(local))
+        want = {"out": y.reshape(xs[rank].shape), "dx": dx.reshape(xs[rank].shape), "router.weight": dr}
+        for i in range(len(local)):
+            want[f"experts.local_experts.{i}.linear_fc1.weight"] = da[mine][i]
+            want[f"experts.local_experts.{i}.linear_fc2.weight"] = db[mine][i]
+        assert set(got) == set(want), sorted(got)
+        for name, ref in want.items():
+            assert_close(got[name], ref, torch.float32, name=f"rank {rank} {name}")
+        return len(want)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_ep2_matches_float64_over_gloo() -> None:
+    import os
+
+    from lck_runtime.testing import run_workers
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU EP=2 needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    out = run_workers(_ep2_worker, 2, timeout=600, env={"TRITON_INTERPRET": "1"})
+    assert out == [3 + 2 * (E // 2)] * 2  # out, dx, the router weight, each local expert's two weights
