@@ -93,6 +93,7 @@ class LckRouting:
     topk_idx: torch.Tensor
     buffer: Any
     num_experts: int
+    weights_buffer: Any = None  # callable: the K-wide Buffer that brings the routing weights' gradient home
 
 
 def unsupported_reason(config: Any, pg_collection: Any = None) -> str | None:
@@ -153,10 +154,15 @@ class LckTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.buffer: Any = None
+        self._weights_buf: Any = None
         self._hidden_shape: torch.Size | None = None
         self._topk_idx: torch.Tensor | None = None
 
     def _ensure_buffer(self, x: torch.Tensor) -> Any:
+        """The Buffer over the EP group, built at the first forward (collective). Its token capacity is the
+        runtime's ``MoEConfig.max_tokens`` when ``lck_runtime.configure(moe=...)`` set one for the group (and
+        then the native kernels move the rows), else the largest token count of that first call over the
+        group; a later call with more tokens raises the Buffer's error naming ``max_tokens_per_rank``."""
         if self.ep_size == 1:
             return None
         if self.buffer is None:
@@ -164,12 +170,23 @@ class LckTokenDispatcher(MoETokenDispatcher):
 
             from lck_ep import Buffer
 
-            cap = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-            dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=self.ep_group)
-            self.buffer = Buffer(
-                self.ep_group, int(cap.item()), x.shape[1], self.topk, self.num_experts, device=x.device
-            )
+            cap = _configured_max_tokens(self.ep_group)
+            if cap is None:
+                t = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+                cap = int(t.item())
+            self.buffer = Buffer(self.ep_group, cap, x.shape[1], self.topk, self.num_experts, device=x.device)
         return self.buffer
+
+    def _weights_buffer(self) -> Any:
+        if self._weights_buf is None:
+            from lck_ep import Buffer
+
+            b = self.buffer
+            self._weights_buf = Buffer(
+                b.group, b.max_tokens_per_rank, b.num_topk, b.num_topk, b.num_experts, device=b.device
+            )
+        return self._weights_buf
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self._hidden_shape = tokens.shape
@@ -184,7 +201,10 @@ class LckTokenDispatcher(MoETokenDispatcher):
         assert self._topk_idx is not None, (
             "LckTokenDispatcher: dispatch_postprocess before dispatch_preprocess"
         )
-        routing = LckRouting(self._topk_idx, self._ensure_buffer(hidden_states), self.num_experts)
+        buf = self._ensure_buffer(hidden_states)
+        routing = LckRouting(
+            self._topk_idx, buf, self.num_experts, self._weights_buffer if buf is not None else None
+        )
         self._topk_idx = None
         return hidden_states, routing, probs
 
@@ -230,7 +250,7 @@ class LckSequentialMLP(SequentialMLP):
             num_experts=routing.num_experts,
             alignment=1,
             buffer=buf,
-            weights_buffer=(lambda: _weights_buffer(buf)) if buf is not None else None,
+            weights_buffer=routing.weights_buffer,
             context=None,
             retain=retain,
         )
@@ -238,20 +258,17 @@ class LckSequentialMLP(SequentialMLP):
         return out, None
 
 
-_WEIGHT_BUFFERS: dict[int, Any] = {}
-
-
-def _weights_buffer(buf: Any) -> Any:
-    """A ``K``-wide Buffer over ``buf``'s group that brings the routing weights' gradient home (one per Buffer)."""
-    wb = _WEIGHT_BUFFERS.get(buf.uid)
-    if wb is None:
-        from lck_ep import Buffer
-
-        wb = Buffer(
-            buf.group, buf.max_tokens_per_rank, buf.num_topk, buf.num_topk, buf.num_experts, device=buf.device
-        )
-        _WEIGHT_BUFFERS[buf.uid] = wb
-    return wb
+def _configured_max_tokens(group: Any) -> int | None:
+    """``MoEConfig.max_tokens`` of the runtime's MoE context for ``group``, or None when there is none."""
+    try:
+        from lck_runtime.contexts import moe_context
+    except ImportError:
+        return None
+    try:
+        ctx = moe_context(group, required=False)
+    except (ValueError, RuntimeError):  # a group the runtime does not know
+        return None
+    return ctx.config.max_tokens if ctx is not None and ctx.alive else None
 
 
 class _DispatcherSwitch:
