@@ -207,6 +207,9 @@ def _cfg(**overrides: Any) -> Any:
         ({"activation_func": F.gelu}, "SwiGLU"),
         ({"gated_linear_unit": False}, "SwiGLU"),
         ({"moe_apply_probs_on_input": True}, "moe_apply_probs_on_input"),
+        ({"moe_expert_rank_capacity_factor": 1.5}, "capacity"),
+        ({"cuda_graph_impl": "local"}, "CUDA graphs"),
+        ({"delay_wgrad_compute": True}, "delay_wgrad_compute"),
         ({"moe_token_dispatcher_type": "allgather"}, "allgather"),
     ],
 )

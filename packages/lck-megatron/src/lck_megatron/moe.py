@@ -119,6 +119,14 @@ def unsupported_reason(config: Any, pg_collection: Any = None) -> str | None:
         config, "moe_pad_expert_input_to_capacity", False
     ):
         return "moe_expert_capacity_factor / moe_pad_expert_input_to_capacity (lck drops no tokens)"
+    if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
+        return "moe_expert_rank_capacity_factor is set (lck drops no tokens)"
+    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+        # A synced Buffer reads the received counts on the host, and the grouped GEMMs outside bf16 read
+        # the expert offsets there: neither can be captured.
+        return (
+            f"cuda_graph_impl={config.cuda_graph_impl!r} (lck's MoE path is not captured in CUDA graphs yet)"
+        )
     if getattr(config, "moe_apply_probs_on_input", False):
         return "moe_apply_probs_on_input=True (lck weights the activation)"
     if getattr(config, "moe_latent_size", None):
