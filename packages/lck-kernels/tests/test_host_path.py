@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 PACKAGE = str(Path(L.__file__).resolve().parent)
 
 # Python-level calls inside lck_kernels per eager forward+backward, launches stubbed (measured 2026-12-02:
-# 33 / 41 / 32 / 46 / 56 / 91 / 92; counting torch's frames too, the eager fast path took RMSNorm from 184 to
+# 33 / 41 / 32 / 46 / 56 / 97 / 98; counting torch's frames too, the eager fast path took RMSNorm from 184 to
 # 97 calls, SwiGLU from 173 to 75, cross entropy from 173 to 79).
 BUDGET = {
     "rms_norm": 36,
@@ -40,8 +40,8 @@ BUDGET = {
     "swiglu_packed": 35,
     "cross_entropy": 50,
     "cross_entropy_none": 62,
-    "fused_linear_cross_entropy": 100,
-    "fused_linear_scaled_cross_entropy": 100,
+    "fused_linear_cross_entropy": 110,
+    "fused_linear_scaled_cross_entropy": 110,
 }
 
 

@@ -104,6 +104,16 @@ def define_op(
     return EagerOp(op, impl, tuple(params.index(m) for m in mutates))
 
 
+def eager(op: Any, mutates_args: Iterable[str] = ()) -> Any:
+    """An existing ``torch.library.custom_op`` as an :class:`EagerOp` (its Python body runs directly in
+    plain eager calls), or the op itself on a torch whose custom ops do not expose their body."""
+    fn = getattr(op, "_init_fn", None)
+    if fn is None:
+        return op
+    params = list(inspect.signature(fn).parameters)
+    return EagerOp(op, fn, tuple(params.index(m) for m in mutates_args))
+
+
 class EagerOp:
     """A registered op that, in plain eager calls (:func:`plain_eager`), runs its Python body directly.
 
