@@ -35,6 +35,7 @@ see :func:`unsupported_reason`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -139,6 +140,8 @@ def unsupported_reason(config: Any, pg_collection: Any = None) -> str | None:
     tp = getattr(pg_collection, "expt_tp", None)
     if tp is not None and tp.size() > 1:
         return f"expert tensor parallelism of {tp.size()} (lck's grouped experts hold whole experts)"
+    if importlib.util.find_spec("lck_ep") is None:
+        return "lck-ep is not installed (pip install 'lck-megatron[ep]')"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device and TRITON_INTERPRET=1 is not set (lck's kernels cannot run here)"
     return None
