@@ -223,23 +223,8 @@ def forward_with_grads(
     """(loss, z_loss, lse, entropy, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``: float32 losses,
     the per-token lse and (when ``entropy``, else empty) entropy rows, and the gradients of the reduced loss
     (unneeded ones empty). ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
-    n, v, dev = x.shape[0], weight.shape[0], x.device
-    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
-    ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
-    ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
-    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
-    applied = torch.empty(n, dtype=torch.float32, device=dev)  # unused by the fused schedule
-
-    def row_kernel(s, e, logits):
-        launch_fwd(
-            logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
-            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, grad=logits,
-            applied=applied[s:e], wrap=False,
-        )  # fmt: skip
-
-    _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b)
-    loss, z = finalize_loss(ce, zl, red, reduction)
-    return loss, z, lse, ent, grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+    needs = (need_x, need_w, need_b)
+    return _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, needs)
 
 
 def forward_stats(
@@ -254,20 +239,37 @@ def forward_stats(
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, lse, entropy) in float32 without gradients; ``entropy`` is empty unless asked for."""
+    return _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, None)
+
+
+def _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, needs):
+    """Both forward schedules: ``needs`` is None (row statistics only, one GEMM per token) or ``(need_x,
+    need_w, need_b)`` (the row pass overwrites each logits chunk with its gradient, which feeds the gradient
+    GEMMs right away)."""
     n, v, dev = x.shape[0], weight.shape[0], x.device
     red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
     ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
     ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
+    # The row kernel marks each row's applied scale; the fused schedule rescales whole buffers instead.
+    applied = torch.empty(n, dtype=torch.float32, device=dev) if needs is not None else None
 
     def row_kernel(s, e, logits):
         launch_fwd(
             logits, target[s:e], class_weight, red, opts, loss=ce[s:e], lse=lse[s:e],
-            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None, wrap=False,
+            zloss=zl[s:e] if zl is not None else None, entropy=ent[s:e] if entropy else None,
+            grad=logits if needs is not None else None, applied=applied[s:e] if needs is not None else None,
+            wrap=False,
         )  # fmt: skip
 
-    run_chunks(x, weight, bias, chunk, row_kernel)
+    grads: tuple[torch.Tensor, ...] = ()
+    if needs is None:
+        run_chunks(x, weight, bias, chunk, row_kernel)
+    else:
+        grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, *needs)
+        _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, *needs)
+        grads = (grad_x, grad_w, _finish_bias(grad_b32, bias, needs[2]))
     loss, z = finalize_loss(ce, zl, red, reduction)
-    return loss, z, lse, ent
+    return (loss, z, lse, ent, *grads)
 
 
 def _row_slice(g: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
