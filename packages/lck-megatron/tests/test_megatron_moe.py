@@ -279,7 +279,24 @@ def _stock_and_patched_gpt() -> tuple[Any, Any]:
 def test_demo_moe_model_is_patched(megatron_tp1: None) -> None:
     """The demo's MoE GPTModel: every MoE layer through lck, Megatron's state dict (its attention needs CUDA,
     so the forward is the gpu test below)."""
-    _stock_and_patched_gpt()
+    stock, patched = _stock_and_patched_gpt()
+
+    def layout(model: Any) -> dict[str, tuple]:  # what Megatron's dist checkpoint saves and matches on load
+        out = {}
+        for k, v in model.sharded_state_dict().items():
+            shape, offset = tuple(getattr(v, "global_shape", ())), tuple(getattr(v, "global_offset", ()))
+            out[k] = (
+                type(v).__name__,
+                getattr(v, "key", None),
+                shape,
+                offset,
+                getattr(v, "replica_id", None),
+            )
+        return out
+
+    got, want = layout(patched), layout(stock)
+    assert any("local_experts" in k or "experts." in k for k in want)
+    assert got == want
 
 
 @pytest.mark.gpu
