@@ -221,7 +221,12 @@ def config_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:
-        return fn(*args) if _OVERRIDES else cached(*args)
+        if _OVERRIDES:
+            return fn(*args)
+        try:
+            return cached(*args)
+        except TypeError:  # a symbolic size (torch.compile with dynamic shapes) is not hashable
+            return fn(*args)
 
     wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
     return wrapper
