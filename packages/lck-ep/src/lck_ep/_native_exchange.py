@@ -66,12 +66,12 @@ def dispatch(
     with torch.cuda.device(dev):
         st.send_rows(
             plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights, big_l,
-            buf.num_sms, buf.timeout_ns, buf.hidden,
+            buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
         out = _receive(st, buf, rows, plan.x.shape[1], plan.x.dtype, True, plan.topk_weights is not None)
         out["per_expert"] = torch.zeros(big_l, dtype=torch.int64, device=dev) if counts is None else None
         st.receive_rows(
-            plan.x, hidden=buf.hidden, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
+            plan.x, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
     got = reference.Received(
@@ -138,11 +138,11 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
     with torch.cuda.device(buf.device):
         st.send_rows(
             x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None, buf.num_local_experts,
-            buf.num_sms, buf.timeout_ns, buf.hidden,
+            buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
         out = _receive(st, buf, h.num_recv_rows, x.shape[1], x.dtype, False, False)
         st.receive_rows(
-            x, hidden=buf.hidden, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
+            x, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
     return maybe_expand(out["recv_x"], h)

@@ -56,7 +56,7 @@ from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispat
 from lck_ep.events import Event
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout, get_dispatch_layout
-from lck_ep.native import DEFAULT_NUM_SMS, NATIVE_DTYPES
+from lck_ep.native import DEFAULT_NUM_SMS, NATIVE_DTYPES, row_fits
 
 __all__ = ["Buffer", "CombineOutput", "DispatchOutput"]
 
@@ -160,6 +160,13 @@ class Buffer:
                     from lck_ep.native import NativeEp
 
                     self._native = NativeEp.for_context(settled.moe_context, self.device)
+                    if settled.use_kernel_layout:
+                        # Loaded now, not at the first dispatch: a module loaded while a peer sharing the GPU
+                        # (MPS) spins in a native kernel can stall both until the timeout.
+                        from lck_ep.jit import kernel_for
+                        from lck_ep.knobs import read_knobs
+
+                        kernel_for(self.device.index, read_knobs()).load(self.device.index)
             except (TypeError, ValueError) as exc:
                 error = exc
             except Exception as exc:  # e.g. the kernels failed to build here: every rank raises it
@@ -307,7 +314,7 @@ class Buffer:
             plan = check_dispatch(
                 self, x, topk_idx, topk_weights, handle, expand, expert_alignment, num_worst_tokens
             )
-            self._check_native_dtype(plan.x, "dispatch")
+            self._check_native_rows(plan, "dispatch")
         except (TypeError, ValueError) as exc:
             error = exc
         if plan is not None and plan.sync_free != sync_free:  # e.g. a synced handle on a sync-free Buffer
@@ -323,11 +330,20 @@ class Buffer:
             return self._dispatch_sync_free(plan)
         return self._dispatch_synced(plan, error)
 
-    def _check_native_dtype(self, x: torch.Tensor, op: str) -> None:
-        if self._native is not None and x.dtype not in NATIVE_DTYPES:
+    def _check_native_rows(self, plan: DispatchPlan | CombinePlan, op: str) -> None:
+        """The native kernels move rows as bytes within the workspace's rows (sized by the MoEConfig for
+        2-byte hidden states): refuse, naming x, a dtype they do not take or a row that does not fit."""
+        if self._native is None:
+            return
+        x = plan.x
+        scales = getattr(plan, "x_scales", None)
+        row = x.shape[1] * x.element_size() + (0 if scales is None else scales.shape[1] * 4)
+        if x.dtype not in NATIVE_DTYPES or not row_fits(row, self.num_topk, self._native.layout):
             raise TypeError(
-                f"{op}: x is {str(x.dtype).replace('torch.', '')} but the native backend moves bf16/fp16 rows "
-                "(its workspace holds 2-byte elements); build the Buffer with backend='reference' for float32"
+                f"{op}: x is {str(x.dtype).replace('torch.', '')} [*, {x.shape[1]}] ({row} bytes a row) but the "
+                f"native backend's workspace rows hold {self._native.layout.row_stride} bytes with the routing "
+                f"(MoEConfig.hidden_size={self._native.ctx.config.hidden_size} of 2-byte values); use bf16/fp16/"
+                "fp8 rows, a larger MoEConfig, or backend='reference'"
             )
 
     def check_errors(self) -> None:
@@ -457,7 +473,7 @@ class Buffer:
         error: BaseException | None = None
         try:
             plan = check_combine(self, x, handle, topk_weights, bias)
-            self._check_native_dtype(plan.x, "combine")
+            self._check_native_rows(plan, "combine")
         except (TypeError, ValueError) as exc:
             error = exc
         if capture.capturing(self.device):

@@ -144,8 +144,10 @@ _NATIVE_BODIES = {
     unsigned long long timeout_ns""",
         """lck_ep::CombineRecvArgs a{partial, valid_rows, recv_starts, ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
         num_tokens, hidden, num_ranks, me, done, status, timeout_ns};
-    if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);  // 0: bf16, 1: fp16 (lck_ep.native)
-    else lck_ep::combine_recv<__half>(a);""",
+    // 0: bf16, 1: fp16, 2: fp32 (lck_ep.native)
+    if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);
+    else if (dtype == 1) lck_ep::combine_recv<__half>(a);
+    else lck_ep::combine_recv<float>(a);""",
     ),
 }
 NATIVE_KERNELS = tuple(_NATIVE_BODIES)

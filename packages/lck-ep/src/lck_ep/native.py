@@ -34,7 +34,10 @@ __all__ = [
 ]
 
 DEFAULT_NUM_SMS = 24  # channels (blocks) per kernel unless the Buffer is given num_sms
-NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # rows of at most 2 bytes per channel
+# Row element types the kernels move (as bytes); combine sums bf16, fp16 and fp32 partials. A row must fit
+# the workspace's rows, which the runtime sizes for 2-byte hidden states (:func:`row_fits`).
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _THREADS = 512
 _PHASES = {
     1: "dispatch, waiting for a destination to finish reading the previous operation",
@@ -64,9 +67,14 @@ def row_layout(max_tokens: int, hidden_size: int, top_k: int) -> RowLayout:
     return RowLayout(row, max_tokens * row, max_tokens)
 
 
-def meta_offset(hidden: int) -> int:
-    """Where a row's routing starts: after its ``hidden`` 2-byte elements, 4-byte aligned."""
-    return (hidden * 2 + 3) // 4 * 4
+def meta_offset(row_bytes: int) -> int:
+    """Where a row's routing starts: after its ``row_bytes`` bytes of values, 4-byte aligned."""
+    return (row_bytes + 3) // 4 * 4
+
+
+def row_fits(row_bytes: int, num_topk: int, layout: RowLayout) -> bool:
+    """Whether a row of ``row_bytes`` bytes and its routing (``num_topk`` slots) fit a workspace row."""
+    return meta_offset(row_bytes) + 4 + 6 * num_topk <= layout.row_stride
 
 
 def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: int, config: Any) -> str | None:
@@ -74,7 +82,7 @@ def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: in
     if num_ranks > _THREADS:
         return f"the native kernels handle groups of at most {_THREADS} ranks, this one has {num_ranks}"
     lay = row_layout(config.max_tokens, config.hidden_size, config.top_k)
-    need = meta_offset(hidden) + 4 + 6 * num_topk
+    need = meta_offset(2 * hidden) + 4 + 6 * num_topk
     if need > lay.row_stride or max_tokens > lay.cap:
         return (
             f"a row of hidden={hidden}, num_topk={num_topk} needs {need} bytes and max_tokens_per_rank="
@@ -198,10 +206,9 @@ class NativeEp:
         num_local_experts: int,
         num_sms: int,
         timeout_ns: int,
-        hidden: int,
     ) -> None:
-        """Store ``x``'s rows (any row width up to ``2 * hidden`` bytes) into the destinations' regions;
-        their routing goes at :func:`meta_offset` of the Buffer's ``hidden``."""
+        """Store ``x``'s rows (bytes; :func:`row_fits` checked by the caller) into the destinations'
+        regions, their routing at :func:`meta_offset` of the row's bytes."""
         from lck_runtime.jit import I32, I64, U64, Ptr
 
         lay = self.layout
@@ -221,7 +228,7 @@ class NativeEp:
                 self.peer_sig,
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
-                I64(meta_offset(hidden)),
+                I64(meta_offset(x.shape[1] * x.element_size())),
                 I32(x.shape[0]),
                 I32(k),
                 I32(self.size),
@@ -237,7 +244,6 @@ class NativeEp:
         self,
         x: torch.Tensor,
         *,
-        hidden: int,
         num_topk: int,
         has_meta: bool,
         num_local_experts: int,
@@ -265,7 +271,7 @@ class NativeEp:
                 self.signals,
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
-                I64(meta_offset(hidden)),
+                I64(meta_offset(recv_x.shape[1] * recv_x.element_size())),
                 I64(recv_x.shape[1] * recv_x.element_size()),
                 I64(cap),
                 I64(recv_x.shape[0]),
@@ -359,7 +365,7 @@ class NativeEp:
                 I32(out.shape[1]),
                 I32(self.size),
                 I32(self.me),
-                I32(0 if out.dtype == torch.bfloat16 else 1),
+                I32(_COMBINE_CODES[out.dtype]),
                 self.done[3:4],
                 self.status,
                 U64(timeout_ns),

@@ -60,9 +60,11 @@ __device__ inline void combine_send(const CombineSendArgs& a) {
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
 struct CombineRecvArgs {
   const uint8_t* partial;       // this member's own partial rows (those of its tokens it hosts itself)
@@ -147,12 +149,17 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     // 16-byte lanes need a row length that keeps every row (workspace and output) 16-byte aligned.
-    const bool vec = (a.hidden % 8) == 0 && (a.row_stride % 16) == 0 &&
+    // float32 partials (narrow rows, e.g. routing-weight gradients) take the scalar path.
+    const bool vec = sizeof(T) == 2 && (a.hidden % 8) == 0 && (a.row_stride % 16) == 0 &&
                      ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
     const long long self_start = a.recv_starts[a.me];
     for (long long t = warp; t < a.num_tokens; t += warps) {
-      if (vec) reduce_token<T, 8>(a, t, lane, self_start);
-      else reduce_token<T, 1>(a, t, lane, self_start);
+      if constexpr (sizeof(T) == 2) {
+        if (vec) reduce_token<T, 8>(a, t, lane, self_start);
+        else reduce_token<T, 1>(a, t, lane, self_start);
+      } else {
+        reduce_token<T, 1>(a, t, lane, self_start);
+      }
     }
   }
   finish_receive(a.done, a.my_sig, a.me, op, a.status);
