@@ -21,13 +21,7 @@ from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp
 
-__all__ = ["combine", "dispatch", "replay", "send_slots"]
-
-
-def send_slots(mask: torch.Tensor) -> torch.Tensor:
-    """``[T, W]`` int64: the row of token t in the block sent to rank d (its rank among d's tokens), -1 if
-    not sent: the same slots the reference's sync-free path uses."""
-    return torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, -1)
+__all__ = ["combine", "dispatch", "replay"]
 
 
 def _receive(
@@ -61,7 +55,7 @@ def dispatch(
     st.raise_if_failed()
     big_l, dev = buf.num_local_experts, buf.device
     mask = layout.is_token_in_rank
-    slots = send_slots(mask)
+    slots = reference.send_slots(mask)
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
     with torch.cuda.device(dev):
         st.send_rows(

@@ -28,6 +28,7 @@ def warmup(archs: list[str]) -> list[tuple[str, str, str, float]]:
     """Compile every native-backend kernel for each arch; ``[(kernel, arch, cubin path, seconds)]``.
 
     Knobs are validated before nvcc runs (a bad ``EP_*`` value raises ``KnobError``)."""
+    from lck_ep.codegen import NATIVE_KERNELS
     from lck_ep.jit import compile_layout_kernel
     from lck_ep.knobs import read_knobs
     from lck_ep.native import compile_native_kernels
@@ -39,7 +40,7 @@ def warmup(archs: list[str]) -> list[tuple[str, str, str, float]]:
         out.append(
             ("ep_layout", arch, str(compile_layout_kernel(arch, knobs=knobs)), time.perf_counter() - t0)
         )
-        for name in ("ep_dispatch_send", "ep_dispatch_recv", "ep_combine_send", "ep_combine_recv"):
+        for name in NATIVE_KERNELS:
             t0 = time.perf_counter()
             path = compile_native_kernels(arch, knobs, only=(name,))[name]
             out.append((name, arch, path, time.perf_counter() - t0))

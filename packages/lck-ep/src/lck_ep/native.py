@@ -21,6 +21,7 @@ import torch
 
 from lck_ep.codegen import NATIVE_KERNELS, native_spec
 from lck_ep.knobs import EpKnobs, read_knobs
+from lck_runtime.jit import I32, I64, U64, Jit, Ptr  # typed launch arguments, imported once (hot path)
 
 __all__ = [
     "DEFAULT_NUM_SMS",
@@ -82,8 +83,8 @@ def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: in
     if num_ranks > _THREADS:
         return f"the native kernels handle groups of at most {_THREADS} ranks, this one has {num_ranks}"
     lay = row_layout(config.max_tokens, config.hidden_size, config.top_k)
-    need = meta_offset(2 * hidden) + 4 + 6 * num_topk
-    if need > lay.row_stride or max_tokens > lay.cap:
+    if not row_fits(2 * hidden, num_topk, lay) or max_tokens > lay.cap:
+        need = meta_offset(2 * hidden) + 4 + 6 * num_topk
         return (
             f"a row of hidden={hidden}, num_topk={num_topk} needs {need} bytes and max_tokens_per_rank="
             f"{max_tokens} rows, but the MoEConfig's workspace rows are {lay.row_stride} bytes, {lay.cap} per source"
@@ -92,8 +93,6 @@ def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: in
 
 
 def _jit() -> Any:
-    from lck_runtime.jit import Jit
-
     return Jit(prefix="EP")
 
 
@@ -209,8 +208,6 @@ class NativeEp:
     ) -> None:
         """Store ``x``'s rows (bytes; :func:`row_fits` checked by the caller) into the destinations'
         regions, their routing at :func:`meta_offset` of the row's bytes."""
-        from lck_runtime.jit import I32, I64, U64, Ptr
-
         lay = self.layout
         k = topk_idx.shape[1] if topk_idx is not None else 0
         self.kernels["ep_dispatch_send"].launch(
@@ -252,8 +249,6 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
     ) -> None:
-        from lck_runtime.jit import I32, I64, U64, Ptr
-
         lay = self.layout
 
         def opt(name: str) -> Any:
@@ -305,8 +300,6 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
     ) -> None:
-        from lck_runtime.jit import I32, I64, U64
-
         lay = self.layout
         self.kernels["ep_combine_send"].launch(
             num_sms,
@@ -340,8 +333,6 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
     ) -> None:
-        from lck_runtime.jit import I32, I64, U64, Ptr
-
         lay = self.layout
         b0 = bias[0] if len(bias) > 0 else Ptr(0)
         b1 = bias[1] if len(bias) > 1 else Ptr(0)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lck_ep.layout import DispatchLayout
 
-__all__ = ["Topology", "combine", "dispatch_sync_free", "dispatch_synced", "exchange_counts"]
+__all__ = ["Topology", "combine", "dispatch_sync_free", "dispatch_synced", "exchange_counts", "send_slots"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def dispatch_sync_free(
     if fresh:
         assert layout is not None
         mask = layout.is_token_in_rank
-        send_slot = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, -1)
+        send_slot = send_slots(mask)
     assert mask is not None and send_slot is not None
     specs: list[tuple[torch.dtype, tuple[int, ...]]] = [(x.dtype, (hidden,))]
     if fresh:
@@ -262,6 +262,12 @@ def dispatch_sync_free(
         ends = torch.cumsum(counts[:, 0], 0)
         out.recv_src_rank = torch.where(row_valid, torch.searchsorted(ends, rows, right=True), -1)
     return out
+
+
+def send_slots(mask: torch.Tensor) -> torch.Tensor:
+    """``[T, W]`` int64: the row of token t in the block sent to rank d (its rank among d's tokens, in
+    token order), -1 where it is not sent. Both backends place rows by these slots."""
+    return torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, -1)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
