@@ -5,31 +5,16 @@ Multi-rank behaviour (routing, ordering, combine bits, agreement across ranks) i
 
 from __future__ import annotations
 
-import tempfile
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
+from _raising import raises_with
 
 from lck_ep import Buffer, DispatchHandle
 from lck_ep.handle import DispatchHandle as HandleType
 
 H, K, E, TMAX = 40, 2, 4, 8
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    if dist.is_initialized():  # another module of the session set it up
-        yield dist.group.WORLD
-        return
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -44,15 +29,6 @@ def _inputs(t: int = 6, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     idx[1] = -1  # token 1 goes nowhere
     w = torch.rand(t, K, generator=g)
     return x, idx, w
-
-
-def _raises(exc, fragments, fn):
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
-    return msg
 
 
 # ------------------------------------------------------------------------------------------ construct
@@ -76,12 +52,12 @@ def _raises(exc, fragments, fn):
 )
 def test_construction_validation(group, kwargs, exc, fragments) -> None:
     args = dict(max_tokens_per_rank=TMAX, hidden=H, num_topk=K, num_experts=E) | kwargs
-    msg = _raises(exc, fragments, lambda: Buffer(group, **args))
+    msg = raises_with(exc, fragments, lambda: Buffer(group, **args))
     assert msg.startswith("rank 0: Buffer:"), msg  # agreed across the group before raising
 
 
 def test_group_must_be_a_process_group(group) -> None:
-    _raises(
+    raises_with(
         TypeError,
         ["group must be a torch.distributed ProcessGroup, got str"],
         lambda: Buffer("ep", TMAX, H, K, E),
@@ -234,7 +210,7 @@ def test_sync_free_buffer_sizes_by_capacity(group) -> None:
 )
 def test_dispatch_validation(buf: Buffer, call, exc, fragments) -> None:
     x, idx, w = _inputs()
-    _raises(exc, fragments, lambda: call(buf, x, idx, w))
+    raises_with(exc, fragments, lambda: call(buf, x, idx, w))
     # Nothing was dispatched: the next handle is still the first.
     assert buf.dispatch(x, idx, w).handle.seq == 1
 
@@ -242,36 +218,36 @@ def test_dispatch_validation(buf: Buffer, call, exc, fragments) -> None:
 def test_out_of_range_expert_is_refused_in_synced_mode(buf: Buffer) -> None:
     x, idx, w = _inputs()
     idx[2, 0] = E
-    _raises(
+    raises_with(
         ValueError,
         ["dispatch: topk_idx on rank 0 has entries outside [-1, 4)"],
         lambda: buf.dispatch(x, idx, w),
     )
     idx[2, 0] = -2
-    _raises(ValueError, ["outside [-1, 4)"], lambda: buf.dispatch(x, idx, w))
+    raises_with(ValueError, ["outside [-1, 4)"], lambda: buf.dispatch(x, idx, w))
 
 
 def test_handle_replay_rules(group, buf: Buffer) -> None:
     x, idx, w = _inputs()
     d = buf.dispatch(x, idx, w, expand=True, expert_alignment=4)
-    _raises(ValueError, ["pass either handle", "not both"], lambda: buf.dispatch(x, idx, handle=d.handle))
-    _raises(
+    raises_with(ValueError, ["pass either handle", "not both"], lambda: buf.dispatch(x, idx, handle=d.handle))
+    raises_with(
         ValueError,
         ["expand=False contradicts the handle"],
         lambda: buf.dispatch(x, handle=d.handle, expand=False),
     )
-    _raises(
+    raises_with(
         ValueError,
         ["expert_alignment=8 contradicts the handle"],
         lambda: buf.dispatch(x, handle=d.handle, expert_alignment=8),
     )
-    _raises(
+    raises_with(
         ValueError, ["x must have shape [6, 40], got [5, 40]"], lambda: buf.dispatch(x[:5], handle=d.handle)
     )
     replay = buf.dispatch(x.float(), handle=d.handle)  # another dtype replays the same layout
     assert torch.equal(replay.recv_x, d.recv_x.float())
     other = Buffer(group, TMAX, H, K, E)
-    _raises(ValueError, ["handle comes from another Buffer"], lambda: other.dispatch(x, handle=d.handle))
+    raises_with(ValueError, ["handle comes from another Buffer"], lambda: other.dispatch(x, handle=d.handle))
 
 
 def test_expanded_dispatch_on_one_rank(buf: Buffer) -> None:
@@ -359,19 +335,19 @@ def test_combine_validation(buf: Buffer, call, exc, fragments) -> None:
     x, idx, w = _inputs()
     d = buf.dispatch(x, idx, w)
     de = buf.dispatch(x, idx, w, expand=True)
-    _raises(exc, fragments, lambda: call(buf, d, de))
+    raises_with(exc, fragments, lambda: call(buf, d, de))
 
 
 def test_get_dispatch_layout(buf: Buffer) -> None:
     _, idx, _ = _inputs()
     layout = buf.get_dispatch_layout(idx)
     assert layout.num_tokens_per_rank.tolist() == [5]
-    _raises(
+    raises_with(
         ValueError,
         ["more than max_tokens_per_rank=8"],
         lambda: buf.get_dispatch_layout(torch.zeros(9, K, dtype=torch.int64)),
     )
-    _raises(
+    raises_with(
         ValueError,
         ["get_dispatch_layout: topk_idx must have shape [6, 2], got [6, 1]"],
         lambda: buf.get_dispatch_layout(idx[:, :1].contiguous()),
@@ -399,13 +375,13 @@ def test_moe_context_capacities_are_enforced(group) -> None:
     try:
         ok = Buffer(group, TMAX, H, K, E)
         assert ok.moe_context is not None and (ok.num_hosts, ok.gpus_per_host) == (1, 1)
-        _raises(
+        raises_with(
             ValueError,
             ["max_tokens_per_rank=16 exceeds the configured MoEConfig capacity 8"],
             lambda: Buffer(group, 2 * TMAX, H, K, E),
         )
-        _raises(ValueError, ["hidden=41 exceeds"], lambda: Buffer(group, TMAX, H + 1, K, E))
-        _raises(
+        raises_with(ValueError, ["hidden=41 exceeds"], lambda: Buffer(group, TMAX, H + 1, K, E))
+        raises_with(
             ValueError,
             ["num_experts=8 differs from the configured MoEConfig.num_experts=4"],
             lambda: Buffer(group, TMAX, H, K, 2 * E),

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from _moe_worker import CASE_NAMES, cuda_buffer_equals_local, native_equals_local, worker
+from _raising import raises_with
 
 from lck_runtime.testing import (
     SHARED_GPU_SKIP,
@@ -206,13 +205,6 @@ def test_frozen_experts_still_give_input_gradients(interpret) -> None:
         assert torch.equal(got[name], full[name]), name
 
 
-def _raises(exc: type, fragments: list[str], fn: Any) -> None:
-    with pytest.raises(exc) as info:
-        fn()
-    for frag in fragments:
-        assert frag in str(info.value), f"{frag!r} not in {str(info.value)!r}"
-
-
 @pytest.mark.parametrize(
     ("kwargs", "exc", "fragments"),
     [
@@ -233,39 +225,24 @@ def test_construction_errors(kwargs: dict[str, Any], exc: type, fragments: list[
 
     args = dict(num_experts=4, hidden_size=16, ffn_hidden_size=8) | kwargs
     n, h, f = args.pop("num_experts"), args.pop("hidden_size"), args.pop("ffn_hidden_size")
-    _raises(exc, ["MoEExperts: ", *fragments], lambda: MoEExperts(n, h, f, **args))
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # another module of the session set it up
-        yield dist.group.WORLD
-        return
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+    raises_with(exc, ["MoEExperts: ", *fragments], lambda: MoEExperts(n, h, f, **args))
 
 
 def test_buffer_mismatch_errors(group) -> None:
     from lck_ep import Buffer, MoEExperts
 
     buf = Buffer(group, 4, 16, 2, 4)
-    _raises(
+    raises_with(
         ValueError,
         ["MoEExperts: buffer was built for num_experts=4, but num_experts=8"],
         lambda: MoEExperts(8, 16, 8, buffer=buf),
     )
-    _raises(
+    raises_with(
         ValueError,
         ["MoEExperts: buffer was built for hidden=16, but hidden_size=32"],
         lambda: MoEExperts(4, 32, 8, buffer=buf),
     )
-    _raises(
+    raises_with(
         ValueError,
         ["MoEExperts: device=cuda:0 differs from the buffer's device cpu"],
         lambda: MoEExperts(4, 16, 8, buffer=buf, device="cuda:0"),
@@ -291,7 +268,7 @@ def test_forward_errors(interpret) -> None:
         ((x, None, w), TypeError, ["topk_idx must be a torch.Tensor, got NoneType"]),
     ]
     for args, exc, fragments in bad:
-        _raises(exc, ["MoEExperts.forward: ", *fragments], lambda a=args: m(*a))
+        raises_with(exc, ["MoEExperts.forward: ", *fragments], lambda a=args: m(*a))
     # int32 indices and bf16 weights are accepted; gradients come back in the inputs' dtypes
     wb = w.bfloat16().requires_grad_()
     m(x, idx.int(), wb).sum().backward()
