@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from _raised import raised
+
 from lck_runtime.testing import run_workers
 
 SEED = 1234
@@ -15,14 +17,6 @@ def _inputs(rank: int, shape: tuple[int, ...], case: int) -> Any:
 
     g = torch.Generator().manual_seed(SEED + 1000 * case + rank)
     return torch.randn(shape, generator=g, dtype=torch.float32) * 3.0
-
-
-def _err(fn: Any, *args: Any) -> str:
-    try:
-        fn(*args)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    raise AssertionError("did not raise")
 
 
 def _reduce(rank: int, world: int) -> dict:
@@ -56,12 +50,12 @@ def _reduce(rank: int, world: int) -> dict:
     ctx = L.flsce_context("tp")
     empty = torch.empty(0)
     errors = {
-        "not a tensor": _err(ctx.all_reduce_, [1.0], "sum"),
-        "dtype": _err(ctx.all_reduce_, torch.ones(4, dtype=torch.float64), "sum"),
-        "device": _err(ctx.all_reduce_, torch.ones(4, device="meta"), "sum"),
-        "contiguity": _err(ctx.all_reduce_, torch.ones(4, 6).t(), "sum"),
-        "size": _err(ctx.all_reduce_, torch.ones(16 * 8 + 1), "sum"),
-        "op": _err(ctx.all_reduce_, torch.ones(4), "min"),
+        "not a tensor": raised(ctx.all_reduce_, [1.0], "sum"),
+        "dtype": raised(ctx.all_reduce_, torch.ones(4, dtype=torch.float64), "sum"),
+        "device": raised(ctx.all_reduce_, torch.ones(4, device="meta"), "sum"),
+        "contiguity": raised(ctx.all_reduce_, torch.ones(4, 6).t(), "sum"),
+        "size": raised(ctx.all_reduce_, torch.ones(16 * 8 + 1), "sum"),
+        "op": raised(ctx.all_reduce_, torch.ones(4), "min"),
     }
     # Inside CUDA-graph capture only NCCL is taken: on this gloo group both "auto" and a forced "torch" are
     # refused before anything is launched (capture is simulated: this test has no GPU).
@@ -70,8 +64,8 @@ def _reduce(rank: int, world: int) -> dict:
     real, C.capturing = C.capturing, lambda device: True
     try:
         t = torch.ones(4)
-        errors["captured auto"] = _err(ctx.all_reduce_, t, "sum")
-        errors["captured torch"] = _err(lambda: ctx.all_reduce_(t, "sum", algorithm="torch"))
+        errors["captured auto"] = raised(ctx.all_reduce_, t, "sum")
+        errors["captured torch"] = raised(lambda: ctx.all_reduce_(t, "sum", algorithm="torch"))
         errors["captured untouched"] = "ok" if bool((t == 1).all()) else "t was changed"
     finally:
         C.capturing = real

@@ -10,18 +10,11 @@ import time
 import warnings
 from typing import Any
 
+from _raised import raised
+
 from lck_runtime.testing import run_workers
 
 TIMEOUT = 300
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    """Call fn and return 'Type: message' of what it raised (the test fails if nothing is raised)."""
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise")
 
 
 def _partitions_and_reuse(rank: int, world: int) -> dict:
@@ -71,15 +64,15 @@ def _partitions_and_reuse(rank: int, world: int) -> dict:
         )
         # growth and misuse: every rank raises, nothing changes
         before = STATE.digest()
-        out["growth flsce"] = _err(L.configure, flsce=F(64, 16, 64, group="solo"))
-        out["growth moe"] = _err(L.configure, moe=M(32, 16, 4, 2, max_inflight=3, group="ep"))
-        out["growth hidden"] = _err(L.configure, flsce=F(32, 17, 64))
-        out["unknown name"] = _err(L.configure, flsce=F(8, 8, 8, group="pp"))
-        out["None value"] = _err(L.configure, process_groups={"dp": None})
-        out["not a mapping"] = _err(L.configure, process_groups=[tp])
-        out["bad section"] = _err(L.configure, flsce=M(8, 8, 4, 2))
-        out["membership change"] = _err(L.configure, process_groups={"tp": ep})
-        out["bad device"] = _err(L.configure, device="cuda:0")
+        out["growth flsce"] = raised(L.configure, flsce=F(64, 16, 64, group="solo"))
+        out["growth moe"] = raised(L.configure, moe=M(32, 16, 4, 2, max_inflight=3, group="ep"))
+        out["growth hidden"] = raised(L.configure, flsce=F(32, 17, 64))
+        out["unknown name"] = raised(L.configure, flsce=F(8, 8, 8, group="pp"))
+        out["None value"] = raised(L.configure, process_groups={"dp": None})
+        out["not a mapping"] = raised(L.configure, process_groups=[tp])
+        out["bad section"] = raised(L.configure, flsce=M(8, 8, 4, 2))
+        out["membership change"] = raised(L.configure, process_groups={"tp": ep})
+        out["bad device"] = raised(L.configure, device="cuda:0")
         out["unchanged"] = STATE.digest() == before and L.flsce_context("tp") is f_tp and f_tp.alive
         out["plan"] = STATE.pool.plan()
         out["still works"] = L.configure(flsce=F(8, 8, 8, group="tp_again"))
@@ -153,10 +146,10 @@ def _split_domains(rank: int, world: int) -> dict:
     u = torch.full((5,), float(rank + 1))
     out["solo sum"] = f1.all_reduce_(u, "sum").tolist()
     # topology errors, raised on both ranks of each domain
-    out["hosts"] = _err(L.configure, moe=L.MoEConfig(8, 8, 4, 1, num_hosts=3, group="tp2"))
-    out["gph"] = _err(L.configure, moe=L.MoEConfig(8, 8, 4, 1, num_hosts=1, gpus_per_host=1, group="tp2"))
-    out["experts"] = _err(L.configure, moe=L.MoEConfig(8, 8, 3, 1, group="tp2"))
-    out["other domain"] = _err(L.configure, bootstrap_group=dist.group.WORLD)
+    out["hosts"] = raised(L.configure, moe=L.MoEConfig(8, 8, 4, 1, num_hosts=3, group="tp2"))
+    out["gph"] = raised(L.configure, moe=L.MoEConfig(8, 8, 4, 1, num_hosts=1, gpus_per_host=1, group="tp2"))
+    out["experts"] = raised(L.configure, moe=L.MoEConfig(8, 8, 3, 1, group="tp2"))
+    out["other domain"] = raised(L.configure, bootstrap_group=dist.group.WORLD)
     return out
 
 
@@ -184,16 +177,16 @@ def _disagreements(rank: int, world: int) -> dict:
     g01_2 = [dist.new_group([0, 1]), dist.new_group([2])]
     g0_12 = [dist.new_group([0]), dist.new_group([1, 2])]
     out: dict[str, Any] = {}
-    out["capacity"] = _err(L.configure, flsce=F(16 if rank == 1 else 8, 8, 8))
-    out["names"] = _err(
+    out["capacity"] = raised(L.configure, flsce=F(16 if rank == 1 else 8, 8, 8))
+    out["names"] = raised(
         L.configure, process_groups={"a": dist.group.WORLD, **({"b": dist.group.WORLD} if rank == 2 else {})}
     )
     uneven = g01_2[0] if rank < 2 else g01_2[1]
-    out["uneven"] = _err(L.configure, process_groups={"x": uneven})
+    out["uneven"] = raised(L.configure, process_groups={"x": uneven})
     # rank 0 passes {0, 1}; ranks 1 and 2 pass {1, 2}
     mixed = g01_2[0] if rank == 0 else g0_12[1]
-    out["membership"] = _err(L.configure, process_groups={"x": mixed})
-    out["one rank bad"] = _err(L.configure, process_groups={"x": "tp" if rank == 2 else dist.group.WORLD})
+    out["membership"] = raised(L.configure, process_groups={"x": mixed})
+    out["one rank bad"] = raised(L.configure, process_groups={"x": "tp" if rank == 2 else dist.group.WORLD})
     # What a CPU rank cannot show for itself: a mixed job (another GPU model on rank 1) and NVSHMEM settings
     # that differ (a heap size set on rank 2 only), as the ranks would report them.
     import importlib
@@ -210,9 +203,9 @@ def _disagreements(rank: int, world: int) -> dict:
 
     h200, h100 = ("NVIDIA H200", "sm_90", 132), ("NVIDIA H100 80GB HBM3", "sm_90", 132)
     C.local_request = reported(h100 if rank == 1 else h200, None)
-    out["hardware"] = _err(L.configure, flsce=F(8, 8, 8))
+    out["hardware"] = raised(L.configure, flsce=F(8, 8, 8))
     C.local_request = reported(h200, {"NVSHMEM_SYMMETRIC_SIZE": "8G" if rank == 2 else None})
-    out["nvshmem settings"] = _err(L.configure, flsce=F(8, 8, 8))
+    out["nvshmem settings"] = raised(L.configure, flsce=F(8, 8, 8))
     C.local_request = real
     out["recovers"] = L.configure(flsce=F(8, 8, 8))
     return out
@@ -245,9 +238,9 @@ def _missing_rank(rank: int, world: int) -> dict:
     if rank == 1:
         return {}  # never calls configure
     t0 = time.monotonic()
-    first = _err(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
+    first = raised(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
     elapsed = time.monotonic() - t0
-    again = _err(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
+    again = raised(L.configure, flsce=L.FusedLinearCrossEntropyConfig(8, 8, 8))
     return {"first": first, "elapsed": elapsed, "again": again, "configured": L.flsce_context(required=False)}
 
 

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from _raised import raised
+
 from lck_runtime.testing import run_workers
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise")
 
 
 def _contexts(rank: int, world: int) -> dict:
@@ -24,7 +18,7 @@ def _contexts(rank: int, world: int) -> dict:
     out["before"] = (
         L.flsce_context(None, required=False),
         L.moe_context("ep", required=False),
-        _err(L.flsce_context, "tp"),
+        raised(L.flsce_context, "tp"),
     )
     pair = dist.new_group([0, 1])
     pair_again = dist.new_group([0, 1])
@@ -51,25 +45,25 @@ def _contexts(rank: int, world: int) -> dict:
     out["missing"] = (
         L.flsce_context("ep", required=False),
         L.flsce_context("nope", required=False),
-        _err(L.flsce_context, "ep"),
-        _err(L.moe_context, "nope"),
-        _err(L.moe_context, 3.5),
-        _err(L.moe_context, singles[1 - rank]),
+        raised(L.flsce_context, "ep"),
+        raised(L.moe_context, "nope"),
+        raised(L.moe_context, 3.5),
+        raised(L.moe_context, singles[1 - rank]),
     )
     # check_tokens names the capacity it exceeds
     f.check_tokens(4, hidden=16, local_vocab=10)
     f.check_tokens(0)
     out["tokens"] = (
-        _err(f.check_tokens, 5),
-        _err(f.check_tokens, 4, hidden=17),
-        _err(f.check_tokens, 4, local_vocab=11),
-        _err(f.check_tokens, 4.0),
-        _err(f.check_tokens, -1),
+        raised(f.check_tokens, 5),
+        raised(f.check_tokens, 4, hidden=17),
+        raised(f.check_tokens, 4, local_vocab=11),
+        raised(f.check_tokens, 4.0),
+        raised(f.check_tokens, -1),
     )
     out["flsce"] = (f.ranks, f.size, f.rank, f.capacity, f.team, f.pes, f.scratch, f.native)
     out["moe"] = (m.ranks, m.rank, m.size, m.num_hosts, m.gpus_per_host, m.host_of(1), m.team, m.pes)
-    out["moe symmetric"] = (m.workspace, m.signals, _err(m.peer_workspace, 0), _err(m.peer_signals, 2))
-    out["host_of"] = _err(m.host_of, 2)
+    out["moe symmetric"] = (m.workspace, m.signals, raised(m.peer_workspace, 0), raised(m.peer_signals, 2))
+    out["host_of"] = raised(m.host_of, 2)
     # the stack through the context
     a, b = object(), object()
     m.push_forward(a)
@@ -77,11 +71,11 @@ def _contexts(rank: int, world: int) -> dict:
     out["stack"] = (
         m.inflight,
         m.peek_forward() is b,
-        _err(m.pop_forward, a),
+        raised(m.pop_forward, a),
         m.inflight,
         m.pop_forward(b) is b,
     )
-    out["stack tail"] = (m.pop_forward() is a, _err(m.pop_forward), _err(m.push_forward, None))
+    out["stack tail"] = (m.pop_forward() is a, raised(m.pop_forward), raised(m.push_forward, None))
     out["repr"] = repr(m)
     return out
 

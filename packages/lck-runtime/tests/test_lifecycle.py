@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from _raised import raised
+
 from lck_runtime.testing import run_workers
-
-
-def _err(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise")
 
 
 def _lifecycle(rank: int, world: int) -> dict:
@@ -35,10 +29,10 @@ def _lifecycle(rank: int, world: int) -> dict:
     if rank == 0:
         m.push_forward("fwd-0")
     digest = STATE.digest()
-    out["destroy refused"] = _err(L.destroy_team, "ep")
-    out["clear refused"] = _err(L.clear_pool)
+    out["destroy refused"] = raised(L.destroy_team, "ep")
+    out["clear refused"] = raised(L.clear_pool)
     out["unchanged"] = (STATE.digest() == digest, m.alive, m.inflight, f.alive)
-    out["unknown"] = _err(L.destroy_team, "pp")
+    out["unknown"] = raised(L.destroy_team, "pp")
     # 2. after the backward, destroying the EP team invalidates its context and every alias of it
     if rank == 0:
         assert m.pop_forward() == "fwd-0"
@@ -46,14 +40,14 @@ def _lifecycle(rank: int, world: int) -> dict:
     L.destroy_team(pair)
     out["after destroy"] = (
         alias.alive,
-        _err(alias.push_forward, "x"),
-        _err(lambda: alias.ranks),
+        raised(alias.push_forward, "x"),
+        raised(lambda: alias.ranks),
         L.moe_context("ep", required=False),
         f.alive,
         [label for label, _, _ in STATE.pool.plan()],
         sorted(STATE.registry.entries),
     )
-    out["destroy again"] = _err(L.destroy_team, "ep")
+    out["destroy again"] = raised(L.destroy_team, "ep")
     # 3. the name stays registered: configuring it again splits a fresh team and context
     L.configure(moe=M(8, 8, 2, 1, max_inflight=2, group="ep"))
     m2 = L.moe_context("ep")
@@ -63,8 +57,8 @@ def _lifecycle(rank: int, world: int) -> dict:
     out["after clear"] = (
         m2.alive,
         f.alive,
-        _err(f.all_reduce_, None, "sum"),
-        _err(f.check_tokens, 1),
+        raised(f.all_reduce_, None, "sum"),
+        raised(f.check_tokens, 1),
         STATE.pool.plan(),
         L.flsce_context("solo", required=False),
     )
@@ -72,11 +66,11 @@ def _lifecycle(rank: int, world: int) -> dict:
     f2 = L.flsce_context("solo")
     out["bigger"] = (f2.config.max_tokens, f2.alive)
     # 5. finalize invalidates everything and leaves an unconfigured process
-    m3_err = _err(L.moe_context, "ep")
+    m3_err = raised(L.moe_context, "ep")
     L.finalize()
     out["after finalize"] = (
         f2.alive,
-        _err(lambda: f2.capacity),
+        raised(lambda: f2.capacity),
         L.is_native(),
         L.flsce_context("solo", required=False),
         STATE.configured,
