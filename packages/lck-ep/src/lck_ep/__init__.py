@@ -7,14 +7,9 @@ until a name is used, so tools that only read the ``EP_*`` knobs or generate ker
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from lck_runtime.packaging import distribution_version, lazy_exports
 
-try:
-    __version__ = version("lck-ep")
-except PackageNotFoundError:  # running from a source tree on PYTHONPATH (GPU runners)
-    __version__ = "0.1.0"
+__version__ = distribution_version("lck-ep", source_tree="0.1.0")
 
 # public name -> defining module
 _EXPORTS = {
@@ -35,14 +30,4 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lck_ep' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lck_ep.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -6,8 +6,6 @@ import to run them on CPU tensors through Triton's interpreter.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 # One subpackage per op family (rms_norm/, swiglu/, cross_entropy/, linear_cross_entropy/, vocab_parallel/).
 # Two of them share their op's name (`lck_kernels.rms_norm` holds `rms_norm`): the imports below bind the
 # functions after the subpackages, so the package attribute is the function, not the subpackage.
@@ -26,11 +24,9 @@ from lck_kernels.vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_fused_linear_scaled_cross_entropy,
 )
+from lck_runtime.packaging import distribution_version
 
-try:
-    __version__ = version("lck-kernels")
-except PackageNotFoundError:  # running from a source tree on PYTHONPATH (GPU runners)
-    __version__ = "0.1.0"
+__version__ = distribution_version("lck-kernels", source_tree="0.1.0")
 
 __all__ = [
     "LckCrossEntropyLoss",

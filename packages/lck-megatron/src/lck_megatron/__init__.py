@@ -8,14 +8,9 @@ neither megatron-core nor Triton: both are imported when first needed.
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from lck_runtime.packaging import distribution_version, lazy_exports
 
-try:
-    __version__ = version("lck-megatron")
-except PackageNotFoundError:  # running from a source tree on PYTHONPATH (GPU runners)
-    __version__ = "0.1.0"
+__version__ = distribution_version("lck-megatron", source_tree="0.1.0")
 
 _EXPORTS = {
     "apply_lck_to_megatron": "patch",
@@ -29,14 +24,4 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lck_megatron' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lck_megatron.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

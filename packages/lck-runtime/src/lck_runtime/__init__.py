@@ -6,19 +6,15 @@ that use them, so ``from lck_runtime import MoEConfig`` works where torch is not
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from lck_runtime.config import FusedLinearCrossEntropyConfig, MoEConfig
 
 # Bound after the submodule imports: `lck_runtime.configure` is the function, not the module.
 from lck_runtime.configure import configure, is_native
 from lck_runtime.contexts import FlsceContext, MoEContext, flsce_context, moe_context
 from lck_runtime.lifecycle import clear_pool, destroy_team, finalize
+from lck_runtime.packaging import distribution_version
 
-try:
-    __version__ = version("lck-runtime")
-except PackageNotFoundError:  # running from a source tree on PYTHONPATH (GPU runners)
-    __version__ = "0.1.0"
+__version__ = distribution_version("lck-runtime", source_tree="0.1.0")
 
 __all__ = [
     "FlsceContext",
