@@ -15,22 +15,18 @@ import argparse
 import dataclasses
 import functools
 import os
-import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any lck kernel is imported
 
-import torch.distributed as dist
-import torch.nn.functional as F
-from megatron.core import dist_checkpointing, parallel_state
+from _example import finish, start, tiny_config, train_and_round_trip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from lck_megatron import LckMegatronSwiGLU, LckWrappedTorchNorm
 
@@ -66,21 +62,7 @@ def lck_layer_spec() -> ModuleSpec:
 
 
 def build(cuda: bool, num_layers: int = 2) -> GPTModel:
-    config = TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=256 if cuda else 32,
-        ffn_hidden_size=704 if cuda else 48,
-        num_attention_heads=4,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=cuda,
-        params_dtype=torch.bfloat16 if cuda else torch.float32,
-        use_cpu_initialization=not cuda,
-    )
+    config = tiny_config(cuda, num_layers)
     # A block spec names the final norm too; a bare layer spec would leave it to Megatron's default.
     block = TransformerBlockSubmodules(
         layer_specs=[lck_layer_spec()] * num_layers, layer_norm=LckWrappedTorchNorm
@@ -94,21 +76,9 @@ def build(cuda: bool, num_layers: int = 2) -> GPTModel:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--in-place", action="store_true", help="LckMegatronSwiGLU(in_place=True)")
-    args = parser.parse_args()
+    args, cuda, store = start(parser)
     LckSwiGLUMLP.in_place = args.in_place
-    cuda = torch.cuda.is_available()
-    store = tempfile.mkdtemp(prefix="lck-example-")
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"file://{store}/pg", rank=0, world_size=1
-    )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    if cuda:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
-    torch.manual_seed(0)
 
     model = build(cuda)
     layer = model.decoder.layers[0]
@@ -121,24 +91,7 @@ def main() -> None:
     )
 
     if cuda:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 1024, (4, 129), device="cuda")
-        pos = torch.arange(128, device="cuda").unsqueeze(0).expand(4, 128)
-        for step in range(args.steps):
-            loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % 5 == 0 or step == args.steps - 1:
-                print(f"step {step:3d}  loss {loss.item():.4f}")
-        ckpt = os.path.join(store, "ckpt")
-        os.makedirs(ckpt, exist_ok=True)  # megatron-core saves only into an existing directory
-        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
-        fresh = build(cuda)
-        fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), ckpt), strict=False)
-        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-        print(f"distributed checkpoint round trip: {'identical' if same else 'DIFFERENT'}")
-        assert same
+        train_and_round_trip(model, build, args.steps, store)
     else:
         hidden = torch.randn(16, 2, model.config.hidden_size, requires_grad=True)
         out, _ = layer.mlp(layer.pre_mlp_layernorm(hidden))
@@ -148,8 +101,7 @@ def main() -> None:
     print("lck RMSNorm calls (layer 0, pre-MLP norm):", layer.pre_mlp_layernorm.calls)
     assert layer.mlp.lck_swiglu.calls["lck"] >= 1 and layer.pre_mlp_layernorm.calls["lck"] >= 1
 
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
