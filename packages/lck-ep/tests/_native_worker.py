@@ -157,6 +157,36 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     )
     cer, _ = ref.combine(ye.cpu(), er.handle, topk_weights=er.recv_topk_weights, bias=bias or None)
     cmp("expanded weighted combine", cen, cer)
+    # an expanded handle replayed: the rows go straight to their expanded places
+    ren = nat.dispatch(x2.to(dev), handle=en.handle)
+    rer = ref.dispatch(x2, handle=er.handle)
+    cmp("expanded replay recv_x", ren.recv_x, rer.recv_x)
+    # the send slots the kernel computed
+    cmp("handle.send_slot", en.handle.send_slot, reference_send_slots(en.handle.is_token_in_rank.cpu()))
+    if nat.sync_free:
+        # fewer output rows than a rank may receive: the excess is dropped alike, counted per expert, and
+        # left out of the expanded layout
+        nwt = max(1, case.tokens // 2)
+        kw = dict(expand=True, expert_alignment=case.alignment, num_worst_tokens=nwt)
+        dn2 = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kw)
+        dr2 = ref.dispatch(x, idx, w, **kw)
+        for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
+            cmp(f"dropped: {name}", getattr(dn2, name), getattr(dr2, name))
+        for name in ("expert_offsets", "expanded_src_row", "expanded_slot", "recv_expanded_index"):
+            cmp(f"dropped: handle.{name}", getattr(dn2.handle, name), getattr(dr2.handle, name))
+        y2 = expert(dn2.recv_x, dn2.handle.expert_offsets, rank)
+        c2n, _ = nat.combine(y2, dn2.handle, topk_weights=dn2.recv_topk_weights)
+        c2r, _ = ref.combine(y2.cpu(), dr2.handle, topk_weights=dr2.recv_topk_weights)
+        cmp("dropped: expanded weighted combine", c2n, c2r)
+        cn3, _ = nat.combine(y2, dn2.handle)  # no weights: plain sums of the expanded rows
+        cr3, _ = ref.combine(y2.cpu(), dr2.handle)
+        cmp("dropped: expanded unweighted combine", cn3, cr3)
+
+
+def reference_send_slots(mask: torch.Tensor) -> torch.Tensor:
+    from lck_ep.reference import send_slots
+
+    return send_slots(mask)
 
 
 def suite(rank: int, world: int, seed: int) -> list[str]:

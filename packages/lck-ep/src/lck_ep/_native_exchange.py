@@ -1,9 +1,11 @@
 """The data movement of :class:`lck_ep.Buffer` calls on the native backend (:mod:`lck_ep.native`).
 
-The same outputs and handles as :mod:`lck_ep._exchange` builds over the reference backend, bit for bit:
-the layout, send slots, the expanded maps and the expanded reduction are the same torch code; only the
-rows move differently, stored by the kernels straight into the destination's symmetric workspace and
-laid out there by the receiver, and combined on the source in the reference order.
+The same outputs and handles as :mod:`lck_ep._exchange` builds over the reference backend, bit for bit.
+The layout is the same kernel; the send slots are :func:`lck_ep.reference.send_slots` computed by a kernel;
+rows are stored by the kernels straight into the destination's symmetric workspace and laid out there by
+the receiver, compact or (``expand=True``) expert-major with the expanded maps computed on the device;
+combine reduces an expanded handle's rows with a kernel and sums the partials on the source, both in
+the reference order.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from typing import Any
 
 import torch
 
-from lck_ep import reference
-from lck_ep._exchange import Dispatched, lay_out, maybe_expand
+from lck_ep._exchange import Dispatched
 from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
-from lck_ep.expanded import expanded_capacity, reduce_expanded
+from lck_ep.expanded import expanded_capacity
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp
@@ -25,11 +26,19 @@ __all__ = ["combine", "dispatch", "replay"]
 
 
 def _receive(
-    st: NativeEp, buf: BufferView, rows: int, width: int, dtype: torch.dtype, meta: bool, weights: bool
+    st: NativeEp,
+    buf: BufferView,
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    meta: bool,
+    weights: bool,
+    expand: bool,
 ) -> dict[str, Any]:
     dev, w, k = buf.device, buf.num_ranks, buf.num_topk
     out: dict[str, Any] = {
-        "recv_x": torch.empty(rows, width, dtype=dtype, device=dev),
+        # An expanded dispatch's rows go straight to the expert-major output (NativeEp.expand_rows).
+        "recv_x": None if expand else torch.empty(rows, width, dtype=dtype, device=dev),
         "recv_counts": torch.empty(w, dtype=torch.int64, device=dev),
         "recv_starts": torch.empty(w + 1, dtype=torch.int64, device=dev),
         "num_recv": torch.empty(1, dtype=torch.int64, device=dev),
@@ -55,30 +64,38 @@ def dispatch(
     st.raise_if_failed()
     big_l, dev = buf.num_local_experts, buf.device
     mask = layout.is_token_in_rank
-    slots = reference.send_slots(mask)
+    slots = st.send_slots(mask)
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
+    a = plan.expert_alignment
+    if counts is not None:
+        send, recv, per_local = counts
+        m = sum((c + a - 1) // a * a for c in per_local)
+    else:
+        m = expanded_capacity(rows, plan.num_topk, big_l, a)
     with torch.cuda.device(dev):
         st.send_rows(
             plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights, big_l,
             buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
-        out = _receive(st, buf, rows, plan.x.shape[1], plan.x.dtype, True, plan.topk_weights is not None)
-        out["per_expert"] = torch.zeros(big_l, dtype=torch.int64, device=dev) if counts is None else None
+        out = _receive(
+            st, buf, rows, plan.x.shape[1], plan.x.dtype, True, plan.topk_weights is not None, plan.expand
+        )
+        # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps).
+        hist = (
+            torch.zeros(2 * big_l, dtype=torch.int32, device=dev) if counts is None or plan.expand else None
+        )
+        out["per_expert"] = hist[:big_l] if hist is not None and counts is None else None
+        out["kept_per_expert"] = hist[big_l:] if hist is not None and plan.expand else None
         st.receive_rows(
-            plan.x, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
+            plan.x, rows=rows, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
-    got = reference.Received(
-        recv_x=out["recv_x"],
-        recv_topk_idx=out["recv_topk_idx"],
-        recv_topk_weights=out["recv_topk_weights"],
-        recv_src_idx=out["recv_src_idx"],
-        recv_src_rank=out["recv_src_rank"],
-    )
-    a = plan.expert_alignment
+        fields: dict[str, Any] = {}
+        if plan.expand:
+            recv_x, fields = _expand(st, buf, plan.x, out, rows, m, a)
+        else:
+            recv_x = out["recv_x"]
     if counts is not None:
-        send, recv, per_local = counts
-        m = sum((c + a - 1) // a * a for c in per_local)
         mode: dict[str, Any] = dict(
             send_counts=tuple(send),
             recv_counts=tuple(recv),
@@ -87,15 +104,13 @@ def dispatch(
             num_recv_tokens_per_expert_list=per_local,
         )
     else:
-        m = expanded_capacity(rows, plan.num_topk, big_l, a)
         mode = dict(
             send_counts=None,
             recv_counts=None,
             num_recv_tokens=out["num_recv"].reshape(()),
-            num_recv_tokens_per_expert=out["per_expert"].to(torch.int32),
+            num_recv_tokens_per_expert=out["per_expert"],
             num_recv_tokens_per_expert_list=None,
         )
-    recv_x, fields = lay_out(got, plan, big_l, m)
     handle = DispatchHandle(
         buffer_uid=buf.uid,
         seq=buf._next_seq(),
@@ -112,9 +127,9 @@ def dispatch(
         send_token_idx=None,
         send_slot=slots,
         num_recv_rows=rows,
-        recv_src_rank=got.recv_src_rank,
-        recv_src_idx=got.recv_src_idx,
-        recv_topk_idx=got.recv_topk_idx,
+        recv_src_rank=out["recv_src_rank"],
+        recv_src_idx=out["recv_src_idx"],
+        recv_topk_idx=out["recv_topk_idx"],
         recv_slot_pos=out["slot_pos"],
         backend="nvshmem",
         recv_counts_device=out["recv_counts"],
@@ -122,11 +137,34 @@ def dispatch(
         **fields,
         **mode,
     )
-    return recv_x, got.recv_topk_idx, got.recv_topk_weights, handle
+    return recv_x, out["recv_topk_idx"], out["recv_topk_weights"], handle
+
+
+def _expand(
+    st: NativeEp, buf: BufferView, x: torch.Tensor, out: dict[str, Any], rows: int, m: int, alignment: int
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The expanded rows and maps of a fresh dispatch, computed and written by the kernels."""
+    dev, big_l, k = buf.device, buf.num_local_experts, buf.num_topk
+    offsets = torch.empty(big_l + 1, dtype=torch.int64, device=dev)
+    src_row = torch.empty(m, dtype=torch.int64, device=dev)
+    slot = torch.empty(m, dtype=torch.int64, device=dev)
+    index = torch.empty(rows, k, dtype=torch.int64, device=dev)
+    st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
+    recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
+    st.expand_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
+    fields = dict(
+        expert_offsets=offsets,
+        expanded_src_row=src_row,
+        expanded_slot=slot,
+        recv_expanded_index=index,
+        num_expanded_rows=m,
+    )
+    return recv_x, fields
 
 
 def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
-    """``recv_x`` of a handle's dispatch replayed for new rows ``x`` (rows only, same slots)."""
+    """``recv_x`` of a handle's dispatch replayed for new rows ``x`` (rows only, same slots; an expanded
+    handle's rows go straight to their expanded places)."""
     st: NativeEp = buf._native
     st.raise_if_failed()
     with torch.cuda.device(buf.device):
@@ -134,25 +172,33 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
             x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None, buf.num_local_experts,
             buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
-        out = _receive(st, buf, h.num_recv_rows, x.shape[1], x.dtype, False, False)
+        out = _receive(st, buf, h.num_recv_rows, x.shape[1], x.dtype, False, False, h.expand)
         st.receive_rows(
-            x, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
+            x, rows=h.num_recv_rows, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
             cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
-    return maybe_expand(out["recv_x"], h)
+        if not h.expand:
+            return out["recv_x"]
+        assert h.expanded_src_row is not None
+        recv_x = torch.empty(h.expanded_src_row.shape[0], x.shape[1], dtype=x.dtype, device=buf.device)
+        st.expand_rows(x, out["recv_starts"], h.expanded_src_row, recv_x, buf.num_sms)
+    return recv_x
 
 
 def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
-    """``combined_x``: expanded rows reduced per received row (torch, as the reference), then the partials
-    sent home and summed there in the reference order."""
+    """``combined_x``: expanded rows reduced per received row (a kernel, in the reference's order), then the
+    partials sent home and summed there in the reference order."""
     st: NativeEp = buf._native
     st.raise_if_failed()
     h = plan.handle
     partial = plan.x
-    if h.expand:
-        assert h.recv_expanded_index is not None
-        partial = reduce_expanded(plan.x, h.recv_expanded_index, plan.topk_weights)
     with torch.cuda.device(buf.device):
+        if h.expand:
+            index = h.recv_expanded_index
+            assert index is not None
+            partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
+            w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
+            st.reduce_expanded(plan.x.contiguous(), index, w, partial)
         partial = partial.contiguous()
         st.send_partials(partial, h.recv_counts_device, h.recv_starts, buf.num_sms, buf.timeout_ns)
         out = torch.empty(h.num_tokens, buf.hidden, dtype=partial.dtype, device=buf.device)

@@ -112,10 +112,16 @@ def _bench_shape(
     attempt("dispatch", "lck_nvshmem", label, lambda: synced.dispatch(x, idx, w), sent)
     attempt("dispatch", "lck_nvshmem_sync_free", label, lambda: free.dispatch(x, idx, w), sent)
     attempt("dispatch_cached", "lck_nvshmem", label, lambda: synced.dispatch(x, handle=d.handle), sent)
+    attempt(
+        "dispatch_cached", "lck_nvshmem_sync_free", label, lambda: free.dispatch(x, handle=df.handle), sent
+    )
     expanded = lambda: free.dispatch(x, idx, w, expand=True, expert_alignment=128)
     attempt("dispatch_expanded", "lck_nvshmem_sync_free", label, expanded, sent)
+    de = expanded()
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
+    combine_expanded = lambda: free.combine(de.recv_x, de.handle, topk_weights=de.recv_topk_weights)
+    attempt("combine_expanded", "lck_nvshmem_sync_free", label, combine_expanded, sent)
     # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:
     share = int(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100") or 100)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count * share // 100
@@ -128,6 +134,16 @@ def _bench_shape(
             f"lck_nvshmem_sync_free_{sms}sms",
             label,
             lambda: wide.combine(dw.recv_x, dw.handle),
+            sent,
+        )
+        wide_expanded = lambda: wide.dispatch(x, idx, w, expand=True, expert_alignment=128)
+        attempt("dispatch_expanded", f"lck_nvshmem_sync_free_{sms}sms", label, wide_expanded, sent)
+        dwe = wide_expanded()
+        attempt(
+            "combine_expanded",
+            f"lck_nvshmem_sync_free_{sms}sms",
+            label,
+            lambda: wide.combine(dwe.recv_x, dwe.handle, topk_weights=dwe.recv_topk_weights),
             sent,
         )
     # The same bytes as one copy_ into the next PE's workspace (and, for scale, within this PE).
@@ -233,18 +249,18 @@ def main_native(args: Any) -> int:
         ),
     )
     print(
-        f"{'bench':<18}{'provider':<24}{'shape':<36}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}{'of copy':>9}"
+        f"{'bench':<18}{'provider':<30}{'shape':<36}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}{'of copy':>9}"
     )
     for r in records:
         if r.error:
-            print(f"{r.bench:<18}{r.provider:<24}{r.shape:<36}  {r.error}")
+            print(f"{r.bench:<18}{r.provider:<30}{r.shape:<36}  {r.error}")
             continue
         e = r.extra
         host = f"{e['host_ms']:9.3f}" if e.get("host_ms") is not None else f"{'':>9}"
         loop = f"{e['loop_ms']:9.3f}" if e.get("loop_ms") is not None else f"{'':>9}"
         frac = f"{e['of_copy_peer']:9.2f}" if e.get("of_copy_peer") is not None else f"{'':>9}"
         print(
-            f"{r.bench:<18}{r.provider:<24}{r.shape:<36}{r.median_ms:9.3f}{host}{loop}{e.get('gb_per_s', 0):8.1f}{frac}"
+            f"{r.bench:<18}{r.provider:<30}{r.shape:<36}{r.median_ms:9.3f}{host}{loop}{e.get('gb_per_s', 0):8.1f}{frac}"
         )
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return 0 if not any(r.error for r in records) else 1

@@ -17,10 +17,14 @@ __all__ = ["KERNEL_ROLES", "main", "warmup"]
 # What each cache entry is, for the listing (kernel name -> role).
 KERNEL_ROLES = {
     "ep_layout": "layout (tokens per rank and expert, token-to-rank mask)",
+    "ep_send_slots": "dispatch, send slots (each token's row in its destinations' regions)",
     "ep_dispatch_send": "dispatch, sender (rows into the destinations' workspaces)",
     "ep_dispatch_recv": "dispatch, receiver (rows laid out in order, counts per expert)",
     "ep_combine_send": "combine, sender (partial rows back to their sources)",
     "ep_combine_recv": "combine, receiver (float32 sum in rank order, bias, rounding)",
+    "ep_expand_maps": "dispatch, expanded maps (expert-major rank of every routed slot)",
+    "ep_expand_rows": "dispatch, expanded rows (workspace rows into the expert-major output)",
+    "ep_reduce_expanded": "combine, expanded rows reduced per received row (weighted, float32)",
 }
 
 
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print("lck ep warmup: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
         return 2
     for name, arch, path, secs in warmup(archs):
-        print(f"{name:<18} {arch:<8} {secs:5.1f} s  {KERNEL_ROLES[name]}\n{'':<18} {path}")
+        print(f"{name:<20} {arch:<8} {secs:5.1f} s  {KERNEL_ROLES[name]}\n{'':<20} {path}")
     return 0
 
 

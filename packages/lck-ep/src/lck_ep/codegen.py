@@ -100,6 +100,11 @@ def layout_spec(knobs: EpKnobs) -> KernelSpec:
 NATIVE_THREADS = 512  # kThreads in ep_native.cuh: one waiting thread per member, up to 512 members
 _NATIVE_HEADERS = ("ep_config.cuh", "ep_native.cuh", "dispatch.cuh", "combine.cuh")
 _NATIVE_BODIES = {
+    "ep_send_slots": (
+        "dispatch.cuh",
+        """const bool* mask, int num_tokens, int num_ranks, long long* slot""",
+        """lck_ep::send_slots(mask, num_tokens, num_ranks, slot);""",
+    ),
     "ep_dispatch_send": (
         "dispatch.cuh",
         """const uint8_t* x, long long x_bytes, const long long* topk_idx, const float* topk_weights,
@@ -118,13 +123,31 @@ _NATIVE_BODIES = {
     long long meta_offset, long long x_bytes, long long cap, long long out_rows, int num_ranks, int me,
     int num_topk, int has_meta, int num_local_experts, uint8_t* recv_x, long long* recv_src_idx,
     long long* recv_topk_idx, float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts,
-    long long* recv_starts, long long* slot_pos, long long* num_recv, long long* per_expert,
-    unsigned int* done, long long* status, unsigned long long timeout_ns""",
+    long long* recv_starts, long long* slot_pos, long long* num_recv, int* per_expert, int* kept_per_expert,
+    int expand, unsigned int* done, long long* status, unsigned long long timeout_ns""",
         """lck_ep::DispatchRecvArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, cap, out_rows,
         num_ranks, me, num_topk, has_meta, num_local_experts, recv_x, recv_src_idx, recv_topk_idx,
-        recv_topk_weights, recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, done,
-        status, timeout_ns};
+        recv_topk_weights, recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert,
+        kept_per_expert, expand, done, status, timeout_ns};
     lck_ep::dispatch_recv(a);""",
+    ),
+    "ep_expand_maps": (
+        "dispatch.cuh",
+        """const long long* recv_topk_idx, const int* kept_counts, long long num_entries, long long out_rows,
+    int num_topk, int num_local_experts, int alignment, long long* offsets, long long* src_row, long long* slot,
+    long long* index, const long long* status""",
+        """lck_ep::ExpandMapsArgs a{recv_topk_idx, kept_counts, num_entries, out_rows, num_topk, num_local_experts,
+        alignment, offsets, src_row, slot, index, status};
+    lck_ep::expand_maps(a);""",
+    ),
+    "ep_expand_rows": (
+        "dispatch.cuh",
+        """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
+    long long meta_offset, long long x_bytes, const long long* recv_starts, const long long* src_row,
+    long long out_rows, int num_ranks, int me, uint8_t* out, unsigned int* done, long long* status""",
+        """lck_ep::ExpandRowsArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, recv_starts,
+        src_row, out_rows, num_ranks, me, out, done, status};
+    lck_ep::expand_rows(a);""",
     ),
     "ep_combine_send": (
         "combine.cuh",
@@ -148,6 +171,15 @@ _NATIVE_BODIES = {
     if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);
     else if (dtype == 1) lck_ep::combine_recv<__half>(a);
     else lck_ep::combine_recv<float>(a);""",
+    ),
+    "ep_reduce_expanded": (
+        "combine.cuh",
+        """const void* x, const long long* index, const float* weights, void* partial, long long num_rows,
+    int num_topk, int hidden, int dtype""",
+        """lck_ep::ReduceExpandedArgs a{x, index, weights, partial, num_rows, num_topk, hidden};
+    if (dtype == 0) lck_ep::reduce_expanded<__nv_bfloat16>(a);
+    else if (dtype == 1) lck_ep::reduce_expanded<__half>(a);
+    else lck_ep::reduce_expanded<float>(a);""",
     ),
 }
 NATIVE_KERNELS = tuple(_NATIVE_BODIES)

@@ -40,6 +40,8 @@ DEFAULT_NUM_SMS = 24  # channels (blocks) per kernel unless the Buffer is given 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _THREADS = 512
+_MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
+_REDUCE_BLOCKS = 1024  # reduce_expanded: one warp per received row, grid-strided past this many blocks
 _PHASES = {
     1: "dispatch, waiting for a destination to finish reading the previous operation",
     2: "dispatch, waiting for a source's rows",
@@ -149,7 +151,7 @@ class NativeEp:
         ]
         self.peer_ws = torch.tensor([w.data_ptr() for w, _ in self._views], dtype=torch.int64, device=device)
         self.peer_sig = torch.tensor([s.data_ptr() for _, s in self._views], dtype=torch.int64, device=device)
-        self.done = torch.zeros(4, dtype=torch.int32, device=device)  # one grid ticket per kernel
+        self.done = torch.zeros(5, dtype=torch.int32, device=device)  # one grid ticket per publishing kernel
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
         self.kernels = build_native_kernels(device.index)
@@ -194,6 +196,14 @@ class NativeEp:
         self.status_host.copy_(self.status, non_blocking=True)
 
     # -- launches -------------------------------------------------------------------------------------
+    def send_slots(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[T, W]`` int64 send slots of ``mask`` (:func:`lck_ep.reference.send_slots`), by one kernel."""
+        t, w = mask.shape
+        slot = torch.empty(t, w, dtype=torch.int64, device=mask.device)
+        if t:
+            self.kernels["ep_send_slots"].launch(w, _THREADS, [mask, I32(t), I32(w), slot])
+        return slot
+
     def send_rows(
         self,
         x: torch.Tensor,
@@ -241,6 +251,7 @@ class NativeEp:
         self,
         x: torch.Tensor,
         *,
+        rows: int,
         num_topk: int,
         has_meta: bool,
         num_local_experts: int,
@@ -249,14 +260,16 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
     ) -> None:
+        """Lay out the ``rows`` rows that arrived (``out["recv_x"]``), or, without ``recv_x`` (an expanded
+        dispatch), only their routing and counts: :meth:`expand_rows` then copies the rows and publishes."""
         lay = self.layout
 
         def opt(name: str) -> Any:
             t = out.get(name)
             return Ptr(0) if t is None else t
 
-        recv_x = out["recv_x"]
-        assert recv_x is not None
+        x_bytes = x.shape[1] * x.element_size()
+        expand = out.get("recv_x") is None
         self.kernels["ep_dispatch_recv"].launch(
             num_sms,
             _THREADS,
@@ -266,16 +279,16 @@ class NativeEp:
                 self.signals,
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
-                I64(meta_offset(recv_x.shape[1] * recv_x.element_size())),
-                I64(recv_x.shape[1] * recv_x.element_size()),
+                I64(meta_offset(x_bytes)),
+                I64(x_bytes),
                 I64(cap),
-                I64(recv_x.shape[0]),
+                I64(rows),
                 I32(self.size),
                 I32(self.me),
                 I32(num_topk),
                 I32(1 if has_meta else 0),
                 I32(num_local_experts),
-                recv_x,
+                opt("recv_x"),
                 opt("recv_src_idx"),
                 opt("recv_topk_idx"),
                 opt("recv_topk_weights"),
@@ -285,12 +298,104 @@ class NativeEp:
                 opt("slot_pos"),
                 opt("num_recv"),
                 opt("per_expert"),
+                opt("kept_per_expert"),
+                I32(1 if expand else 0),
                 self.done[1:2],
                 self.status,
                 U64(timeout_ns),
             ],
         )
+        if not expand:
+            self._mirror()
+
+    def expand_maps(
+        self,
+        recv_topk_idx: torch.Tensor,
+        kept_counts: torch.Tensor,
+        alignment: int,
+        offsets: torch.Tensor,
+        src_row: torch.Tensor,
+        slot: torch.Tensor,
+        index: torch.Tensor,
+    ) -> None:
+        """The expanded maps of the kept rows' routing (``recv_topk_idx`` [N, K], ``kept_counts`` [L]
+        int32 from :meth:`receive_rows`) into ``offsets`` [L + 1], ``src_row`` / ``slot`` [M], ``index``
+        [N, K]: :func:`lck_ep.expanded.build_expanded`'s result."""
+        big_l = kept_counts.shape[0]
+        self.kernels["ep_expand_maps"].launch(
+            min(big_l, _MAPS_BLOCKS),
+            _THREADS,
+            [
+                recv_topk_idx,
+                kept_counts,
+                I64(recv_topk_idx.numel()),
+                I64(src_row.shape[0]),
+                I32(recv_topk_idx.shape[1]),
+                I32(big_l),
+                I32(alignment),
+                offsets,
+                src_row,
+                slot,
+                index,
+                self.status,
+            ],
+        )
+
+    def expand_rows(
+        self,
+        x: torch.Tensor,
+        recv_starts: torch.Tensor,
+        src_row: torch.Tensor,
+        out: torch.Tensor,
+        num_sms: int,
+    ) -> None:
+        """``out[m]`` = received row ``src_row[m]`` (zero where -1) straight from the workspace; then this
+        member has finished reading the operation (the dispatch's publication)."""
+        lay = self.layout
+        x_bytes = x.shape[1] * x.element_size()
+        self.kernels["ep_expand_rows"].launch(
+            num_sms,
+            _THREADS,
+            [
+                x,
+                self.workspace,
+                self.signals,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I64(meta_offset(x_bytes)),
+                I64(x_bytes),
+                recv_starts,
+                src_row,
+                I64(src_row.shape[0]),
+                I32(self.size),
+                I32(self.me),
+                out,
+                self.done[4:5],
+                self.status,
+            ],
+        )
         self._mirror()
+
+    def reduce_expanded(
+        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, partial: torch.Tensor
+    ) -> None:
+        """``partial[n]`` = float32 sum over slots k ascending of ``[weights[n, k] *] x[index[n, k]]`` (local
+        slots only), rounded once: :func:`lck_ep.expanded.reduce_expanded`, bit for bit."""
+        n = partial.shape[0]
+        self.kernels["ep_reduce_expanded"].launch(
+            max(1, min((n + _THREADS // 32 - 1) // (_THREADS // 32), _REDUCE_BLOCKS)),
+            _THREADS,
+            [
+                x,
+                index,
+                weights if weights is not None else Ptr(0),
+                partial,
+                I64(n),
+                I32(index.shape[1]),
+                I32(partial.shape[1]),
+                I32(_COMBINE_CODES[partial.dtype]),
+            ],
+        )
 
     def send_partials(
         self,

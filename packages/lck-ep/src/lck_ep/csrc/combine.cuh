@@ -166,3 +166,77 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
 }
 
 }  // namespace lck_ep
+
+namespace lck_ep {
+
+// combine of an expanded handle, on the host of the experts: partial[n] = sum over k ascending of
+// [w[n, k] *] x[index[n, k]] over the local slots, in float32 from +0.0 (one rounding per multiply and per
+// add, no fused multiply-add), rounded once to T: lck_ep.expanded.reduce_expanded's order, bit for bit.
+struct ReduceExpandedArgs {
+  const void* x;           // [M, H]
+  const long long* index;  // [N, K] expanded row or -1
+  const float* weights;    // [N, K] or nullptr
+  void* partial;           // [N, H]
+  long long num_rows;      // N
+  int num_topk, hidden;
+};
+
+template <typename T, int kVec>
+__device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long long n, int lane) {
+  const T* x = static_cast<const T*>(a.x);
+  T* out = static_cast<T*>(a.partial) + n * a.hidden;
+  const long long* index = a.index + n * a.num_topk;
+  for (int h = lane * kVec; h < a.hidden; h += 32 * kVec) {
+    float acc[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+    for (int k0 = 0; k0 < a.num_topk; k0 += 4) {
+      T vals[4][kVec];
+      bool use[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // up to four rows' loads in flight before any is added
+        const int k = k0 + j;
+        use[j] = k < a.num_topk && index[k] >= 0;
+        if (!use[j]) continue;
+        const T* row = x + index[k] * a.hidden;
+        if constexpr (kVec == 8) {
+          *reinterpret_cast<int4*>(vals[j]) = *reinterpret_cast<const int4*>(row + h);
+        } else {
+          vals[j][0] = row[h];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!use[j]) continue;
+        const float w = a.weights != nullptr ? a.weights[n * a.num_topk + k0 + j] : 1.0f;
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) {
+          float f = to_float(vals[j][v]);
+          if (a.weights != nullptr) f = __fmul_rn(f, w);
+          acc[v] = __fadd_rn(acc[v], f);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(acc[v]);
+  }
+}
+
+template <typename T>
+__device__ inline void reduce_expanded(const ReduceExpandedArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+  const bool vec = sizeof(T) == 2 && (a.hidden % 8) == 0 &&
+                   ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
+  for (long long n = warp; n < a.num_rows; n += warps) {
+    if constexpr (sizeof(T) == 2) {
+      if (vec) reduce_expanded_row<T, 8>(a, n, lane);
+      else reduce_expanded_row<T, 1>(a, n, lane);
+    } else {
+      reduce_expanded_row<T, 1>(a, n, lane);
+    }
+  }
+}
+
+}  // namespace lck_ep

@@ -9,6 +9,12 @@
 // the documented order (source ascending, then token ascending: region by region, row by row) into the
 // caller's tensors, pads the rest of a capacity-sized output, and counts entries per local expert.
 //
+// Expanded dispatch (expand=True): dispatch_recv writes the routing but not the rows and does not yet
+// release the workspace; expand_maps ranks every (row, slot) entry inside its local expert (expert, then
+// row, then slot: lck_ep.expanded's order) and expand_rows copies each expanded row straight from the
+// workspace (or from x for this member's own rows) into the expert-major output, zeroing the padding,
+// and then publishes that this member finished reading the operation.
+//
 // Row layout in a region (row_stride bytes, 16-byte aligned): [x: x_bytes][pad to 4][src: int32]
 // [weights: float32 x K][local expert: int16 x K]; meta_offset is where src starts.
 #pragma once
@@ -16,6 +22,71 @@
 #include "ep_native.cuh"
 
 namespace lck_ep {
+
+// Exclusive rank of each (token, destination) pair among the destination's tokens, in token order:
+// send_slot[t, d] = #{t' < t : mask[t', d]} where mask[t, d], else -1 (lck_ep.reference.send_slots).
+// One block per destination (grid-strided), a ballot scan over the tokens in chunks of the block.
+__device__ inline void send_slots(const bool* mask, int num_tokens, int num_ranks, long long* slot) {
+  __shared__ int warp_base[kThreads / 32 + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
+    long long found = 0;
+    for (int c0 = 0; c0 < num_tokens; c0 += blockDim.x) {
+      const int t = c0 + threadIdx.x;
+      const bool hit = t < num_tokens && mask[static_cast<long long>(t) * num_ranks + d];
+      const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+      if (lane == 0) warp_base[warp] = __popc(ballot);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < nwarps; ++w) {
+          const int n = warp_base[w];
+          warp_base[w] = acc;
+          acc += n;
+        }
+        warp_base[nwarps] = acc;
+      }
+      __syncthreads();
+      if (t < num_tokens)
+        slot[static_cast<long long>(t) * num_ranks + d] =
+            hit ? found + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
+      found += warp_base[nwarps];
+      __syncthreads();  // warp_base is rewritten by the next chunk
+    }
+  }
+}
+
+// One token row (n bytes, a multiple of 16, 16-byte aligned) into the region row of every other member it
+// goes to: each batch of 16-byte loads is issued once and stored to each destination, so a row is read
+// once however many members receive it.
+template <int U>
+__device__ __forceinline__ long long fan_out_batches(const int4* __restrict__ s, long long i, long long m,
+                                                     const bool* mask, const long long* slot,
+                                                     const long long* peer_ws, int num_ranks, int me,
+                                                     long long region_off, long long row_stride) {
+  for (; i + 32 * (U - 1) < m; i += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldg(s + i + 32 * u);
+    for (int d = 0; d < num_ranks; ++d) {
+      if (d == me || !mask[d]) continue;
+      int4* row = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(peer_ws[d]) + region_off + slot[d] * row_stride);
+#pragma unroll
+      for (int u = 0; u < U; ++u) row[i + 32 * u] = v[u];
+    }
+  }
+  return i;
+}
+
+__device__ __forceinline__ void fan_out_row(const uint8_t* src, long long n, const bool* mask, const long long* slot,
+                                            const long long* peer_ws, int num_ranks, int me, long long region_off,
+                                            long long row_stride, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  const long long m = n >> 4;
+  long long i = fan_out_batches<8>(s, lane, m, mask, slot, peer_ws, num_ranks, me, region_off, row_stride);
+  i = fan_out_batches<4>(s, i, m, mask, slot, peer_ws, num_ranks, me, region_off, row_stride);
+  fan_out_batches<1>(s, i, m, mask, slot, peer_ws, num_ranks, me, region_off, row_stride);
+}
 
 struct DispatchSendArgs {
   const uint8_t* x;
@@ -44,17 +115,26 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     const int K = a.num_topk;
+    // Rows are read once and stored to every destination when they are 16-byte movable (regions and rows
+    // are 16-byte aligned, so only x and the row length decide).
+    const bool fan = ((reinterpret_cast<uintptr_t>(a.x) | static_cast<uintptr_t>(a.x_bytes)) & 15u) == 0;
     for (long long t = warp; t < a.num_tokens; t += warps) {
       const uint8_t* src = a.x + t * a.x_bytes;
+      const bool* mask = a.mask + t * a.num_ranks;
+      const long long* slot = a.send_slot + t * a.num_ranks;
+      if (fan) fan_out_row(src, a.x_bytes, mask, slot, a.peer_ws, a.num_ranks, a.me, a.me * a.region_bytes,
+                           a.row_stride, lane);
       for (int d = 0; d < a.num_ranks; ++d) {
-        if (!a.mask[t * a.num_ranks + d]) continue;
-        uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + a.me * a.region_bytes +
-                       a.send_slot[t * a.num_ranks + d] * a.row_stride;
+        if (!mask[d]) continue;
+        uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + a.me * a.region_bytes + slot[d] * a.row_stride;
         uint8_t* meta = row + a.meta_offset;
         // Rows for this member itself stay in x: only their token index goes to the region, and the
         // receiver copies them from x (one pass over those bytes instead of three).
-        if (d != a.me) warp_copy(row, src, a.x_bytes, lane);
-        else if (lane == 0) *reinterpret_cast<int*>(meta) = static_cast<int>(t);
+        if (d != a.me) {
+          if (!fan) warp_copy(row, src, a.x_bytes, lane);
+        } else if (lane == 0) {
+          *reinterpret_cast<int*>(meta) = static_cast<int>(t);
+        }
         if (a.topk_idx != nullptr) {
           if (lane == 0) *reinterpret_cast<int*>(meta) = static_cast<int>(t);
           float* w = reinterpret_cast<float*>(meta + 4);
@@ -97,18 +177,34 @@ struct DispatchRecvArgs {
   long long* recv_starts;          // [W + 1] their prefix sums
   long long* slot_pos;             // [W * cap] compacted row of each region row (out_rows: none) or nullptr
   long long* num_recv;             // [1] rows received (may exceed out_rows: the excess is dropped)
-  long long* per_expert;           // [L] zeroed; entries per local expert, or nullptr
+  int* per_expert;                 // [L] zeroed; entries per local expert (dropped rows too), or nullptr
+  int* kept_per_expert;            // [L] zeroed; entries per local expert of the kept rows, or nullptr
+  int expand;                      // 1: rows are left for expand_rows (recv_x unused), which publishes
   unsigned int* done;
   long long* status;
   unsigned long long timeout_ns;
 };
 
+// Entries per local expert are counted in shared memory first (one global atomic per expert and block
+// instead of one per entry) when the experts fit; else straight into global memory.
+constexpr int kSharedExperts = 1024;
+
+__device__ __forceinline__ void count_expert(int* shared_hist, int* global_hist, bool in_shared, int j) {
+  if (in_shared) atomicAdd(shared_hist + j, 1);
+  else atomicAdd(global_hist + j, 1);
+}
+
 __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
   __shared__ long long counts[kMaxRanks];
   __shared__ long long starts[kMaxRanks + 1];
+  __shared__ int hist[2][kSharedExperts];
   const unsigned long long op = current_op(a.my_sig, a.me);
+  const bool in_shared = a.num_local_experts <= kSharedExperts;
+  if (in_shared) {
+    for (int j = threadIdx.x; j < a.num_local_experts; j += blockDim.x) hist[0][j] = hist[1][j] = 0;
+  }
   const bool ok = gather_arrivals(a.my_sig, a.num_ranks, kDispatchArrived, 32, op, counts, starts, a.status,
-                                  kPhaseDispatchArrive, a.timeout_ns);
+                                  kPhaseDispatchArrive, a.timeout_ns);  // its __syncthreads order the zeros
   if (ok) {
     const long long total = starts[a.num_ranks];
     const long long kept = min(total, a.out_rows);
@@ -132,25 +228,29 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
         const float* w = reinterpret_cast<const float*>(meta + 4);
         const short* li = reinterpret_cast<const short*>(meta + 4 + 4 * K);
         if (p < kept) {
-          const uint8_t* from = s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(meta)) * a.x_bytes;
-          warp_copy(a.recv_x + p * a.x_bytes, from, a.x_bytes, lane);
+          if (!a.expand) {
+            const uint8_t* from = s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(meta)) * a.x_bytes;
+            warp_copy(a.recv_x + p * a.x_bytes, from, a.x_bytes, lane);
+          }
           if (a.has_meta) {
             if (lane == 0) {
               a.recv_src_idx[p] = *reinterpret_cast<const int*>(meta);
               a.recv_src_rank[p] = s;
             }
             for (int k = lane; k < K; k += 32) {
-              a.recv_topk_idx[p * K + k] = li[k];
+              const int j = li[k];
+              a.recv_topk_idx[p * K + k] = j;
               if (a.recv_topk_weights != nullptr) a.recv_topk_weights[p * K + k] = w[k];
+              if (j >= 0 && a.kept_per_expert != nullptr) count_expert(hist[1], a.kept_per_expert, in_shared, j);
             }
           }
         }
         if (a.has_meta && a.per_expert != nullptr) {  // dropped rows count too, as their senders did
           for (int k = lane; k < K; k += 32)
-            if (li[k] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(a.per_expert + li[k]), 1ull);
+            if (li[k] >= 0) count_expert(hist[0], a.per_expert, in_shared, li[k]);
         }
       } else {  // padding of a capacity-sized output: inert rows
-        warp_zero(a.recv_x + p * a.x_bytes, a.x_bytes, lane);
+        if (!a.expand) warp_zero(a.recv_x + p * a.x_bytes, a.x_bytes, lane);
         if (a.has_meta) {
           if (lane == 0) {
             a.recv_src_idx[p] = -1;
@@ -171,6 +271,154 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
         const long long j = q - s * a.cap;
         a.slot_pos[q] = j < counts[s] ? min(starts[s] + j, a.out_rows) : a.out_rows;
       }
+    }
+  }
+  if (in_shared && (a.per_expert != nullptr || a.kept_per_expert != nullptr)) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < a.num_local_experts; j += blockDim.x) {
+      if (a.per_expert != nullptr && hist[0][j] != 0) atomicAdd(a.per_expert + j, hist[0][j]);
+      if (a.kept_per_expert != nullptr && hist[1][j] != 0) atomicAdd(a.kept_per_expert + j, hist[1][j]);
+    }
+  }
+  // An expanded dispatch still reads the workspace in expand_rows, which publishes instead.
+  if (!a.expand) finish_receive(a.done, a.my_sig, a.me, op, a.status);
+}
+
+// The expanded maps from the kept rows' routing (one block per local expert j, grid-strided):
+// offsets [L + 1], src_row / slot [M] (-1 on padding), index [N, K] (-1 where the slot is not local).
+// kept_counts are dispatch_recv's kept_per_expert. Entries of expert j are ranked in flat (row, slot)
+// order by a block-wide ballot scan over every entry; the entries of other experts are skipped.
+struct ExpandMapsArgs {
+  const long long* recv_topk_idx;  // [N, K] local expert or -1
+  const int* kept_counts;          // [L]
+  long long num_entries;           // N * K
+  long long out_rows;              // M
+  int num_topk, num_local_experts, alignment;
+  long long* offsets;              // [L + 1]
+  long long* src_row;              // [M]
+  long long* slot;                 // [M]
+  long long* index;                // [N * K]
+  const long long* status;
+};
+
+__device__ __forceinline__ long long round_up(long long v, int a) { return (v + a - 1) / a * a; }
+
+// Sum over a block of one value per thread (every thread gets the result).
+__device__ inline long long block_sum(long long v, long long* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  long long total = 0;
+  for (int w = 0; w < nwarps; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+__device__ inline void expand_maps(const ExpandMapsArgs& a) {
+  __shared__ long long scratch[kThreads / 32];
+  __shared__ int warp_base[kThreads / 32 + 1];
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = !failed(a.status);
+  __syncthreads();
+  if (!ok) return;
+  const int L = a.num_local_experts, K = a.num_topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+  // The end of every padded segment (the padding past it runs to M).
+  long long all = 0;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) all += round_up(a.kept_counts[j], a.alignment);
+  const long long end = block_sum(all, scratch);
+  for (long long m = end + static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; m < a.out_rows;
+       m += static_cast<long long>(gridDim.x) * blockDim.x) {
+    a.src_row[m] = -1;
+    a.slot[m] = -1;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) a.offsets[0] = 0;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < a.num_entries;
+       e += static_cast<long long>(gridDim.x) * blockDim.x)
+    if (a.recv_topk_idx[e] < 0) a.index[e] = -1;
+  const long long chunk = blockDim.x;
+  for (int j = blockIdx.x; j < L; j += gridDim.x) {
+    long long before = 0;
+    for (int i = threadIdx.x; i < j; i += blockDim.x) before += round_up(a.kept_counts[i], a.alignment);
+    const long long base = block_sum(before, scratch);
+    const long long count = a.kept_counts[j];
+    const long long seg_end = base + round_up(count, a.alignment);
+    if (threadIdx.x == 0) a.offsets[j + 1] = seg_end;
+    for (long long m = base + count + threadIdx.x; m < seg_end; m += blockDim.x) {
+      a.src_row[m] = -1;
+      a.slot[m] = -1;
+    }
+    long long found = 0;
+    for (long long c0 = 0; c0 < a.num_entries && found < count; c0 += chunk) {
+      const long long e = c0 + threadIdx.x;
+      const long long v = e < a.num_entries ? a.recv_topk_idx[e] : -2;
+      const bool hit = v == j;
+      const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+      if (lane == 0) warp_base[warp] = __popc(ballot);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < nwarps; ++w) {
+          const int n = warp_base[w];
+          warp_base[w] = acc;
+          acc += n;
+        }
+        warp_base[nwarps] = acc;
+      }
+      __syncthreads();
+      if (hit) {
+        const long long r = base + found + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u));
+        a.index[e] = r;
+        a.src_row[r] = e / K;
+        a.slot[r] = e % K;
+      }
+      found += warp_base[nwarps];
+      __syncthreads();  // warp_base is rewritten by the next chunk
+    }
+  }
+}
+
+// Expanded rows: out[m] = received row src_row[m] (read from the workspace, or from x for this member's
+// own rows), zero where src_row[m] is -1; then publish that this member finished reading the operation.
+struct ExpandRowsArgs {
+  const uint8_t* x;
+  const uint8_t* ws;
+  long long* my_sig;
+  long long region_bytes, row_stride, meta_offset, x_bytes;
+  const long long* recv_starts;  // [W + 1] of dispatch_recv
+  const long long* src_row;      // [M]
+  long long out_rows;            // M
+  int num_ranks, me;
+  uint8_t* out;                  // [M, x_bytes]
+  unsigned int* done;
+  long long* status;
+};
+
+__device__ inline void expand_rows(const ExpandRowsArgs& a) {
+  __shared__ long long starts[kMaxRanks + 1];
+  const unsigned long long op = current_op(a.my_sig, a.me);
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = !failed(a.status);  // dispatch_recv failed: nothing arrived to copy
+  for (int s = threadIdx.x; s <= a.num_ranks; s += blockDim.x) starts[s] = a.recv_starts[s];
+  __syncthreads();
+  if (ok) {
+    const int lane = threadIdx.x & 31;
+    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    for (long long m = warp; m < a.out_rows; m += warps) {
+      const long long n = a.src_row[m];
+      uint8_t* dst = a.out + m * a.x_bytes;
+      if (n < 0) {
+        warp_zero(dst, a.x_bytes, lane);
+        continue;
+      }
+      const int s = source_of(starts, a.num_ranks, n);
+      const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
+      const uint8_t* from =
+          s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
+      warp_copy(dst, from, a.x_bytes, lane);
     }
   }
   finish_receive(a.done, a.my_sig, a.me, op, a.status);
