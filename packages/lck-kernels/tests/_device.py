@@ -19,3 +19,10 @@ needs_triton_device = pytest.mark.skipif(
 )
 gpu = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# torch.compile backends of the compile tests: aot_eager runs the CPU variant, inductor the GPU one.
+COMPILE_BACKENDS = [
+    pytest.param(
+        "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
+    ),
+    pytest.param("inductor", marks=gpu, id="gpu-inductor"),
+]

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _device import DEVICE, gpu, needs_triton_device
+from _device import COMPILE_BACKENDS, DEVICE, gpu, needs_triton_device
+from _errors import bad_input_test
 from _tolerances import TOL, assert_close
 
 from lck_kernels._common import interpreting, num_sms, tuning
@@ -705,11 +706,7 @@ def test_loss_dtype(reduction: str) -> None:
 
 # Counted on CPU tensors: collection (and every spawned test worker that imports this module) must not
 # create a CUDA context, which would land on GPU 0 before the worker picks its own device.
-@pytest.mark.parametrize("i", range(len(_bad_calls("cpu"))))
-def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
-    with pytest.raises(exc, match=rf"cross_entropy: {name}\b"):
-        call()
+test_bad_input_names_the_argument = bad_input_test("cross_entropy", _bad_calls, count_on="cpu")
 
 
 def test_return_z_loss_and_module():
@@ -773,12 +770,6 @@ def test_opcheck(shape):
 
 # Under TRITON_INTERPRET the ops are opaque custom ops ("aot_eager" runs Dynamo + AOTAutograd + fake tensors
 # without building C++ for CPU tensors); on the GPU they are triton_ops and Inductor compiles the real graph.
-COMPILE_BACKENDS = [
-    pytest.param(
-        "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
-    ),
-    pytest.param("inductor", marks=gpu, id="gpu-inductor"),
-]
 
 
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _device import DEVICE, gpu, needs_triton_device
+from _device import COMPILE_BACKENDS, DEVICE, gpu, needs_triton_device
+from _errors import bad_input_test
 from _tolerances import assert_close
 from test_cross_entropy import assert_close_on_device, reduction_scales, reference_rows
 
@@ -386,11 +387,7 @@ def test_loss_dtype(reduction: str) -> None:
     assert LckFusedLinearCrossEntropyLoss(loss_dtype=torch.float16)(x, w, t).dtype == torch.float16
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls("cpu"))))  # no CUDA context at import (test_cross_entropy)
-def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
-    with pytest.raises(exc, match=rf"fused_linear_cross_entropy: {name}\b"):
-        call()
+test_bad_input_names_the_argument = bad_input_test("fused_linear_cross_entropy", _bad_calls, count_on="cpu")
 
 
 def test_module_and_z_loss():
@@ -436,14 +433,6 @@ def test_opcheck(shape):
         ops.linear_cross_entropy_bwd.default,
         (x, w, t, None, None, lse, ent, g, g, g, -100, 0.0, 0.0, 0.0, 1.25, "none", True, True, False, chunk),
     )
-
-
-COMPILE_BACKENDS = [
-    pytest.param(
-        "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
-    ),
-    pytest.param("inductor", marks=gpu, id="gpu-inductor"),
-]
 
 
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)

@@ -25,7 +25,8 @@ import math
 
 import pytest
 import torch
-from _device import DEVICE, gpu, needs_triton_device
+from _device import COMPILE_BACKENDS, DEVICE, gpu, needs_triton_device
+from _errors import bad_input_test
 from _tolerances import TOL, assert_close
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_cross_entropy import make_inputs, reference_linear
@@ -396,11 +397,9 @@ def _bad_calls(device: str = DEVICE):
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls("cpu"))))  # no CUDA context at import (test_cross_entropy)
-def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls()[i]
-    with pytest.raises(exc, match=rf"fused_linear_scaled_cross_entropy: {name}\b"):
-        call()
+test_bad_input_names_the_argument = bad_input_test(
+    "fused_linear_scaled_cross_entropy", _bad_calls, count_on="cpu"
+)
 
 
 def test_module():
@@ -434,14 +433,6 @@ def test_opcheck():
         torch.ops.lck.fused_linear_scaled_cross_entropy_fwd(
             x, w, t, b, -100, -1.0, "sum", False, True, True, True, 4
         )
-
-
-COMPILE_BACKENDS = [
-    pytest.param(
-        "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
-    ),
-    pytest.param("inductor", marks=gpu, id="gpu-inductor"),
-]
 
 
 def _assert_compiled_matches_eager(step, x, w, dtype, backend):

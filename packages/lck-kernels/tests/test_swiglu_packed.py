@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from _device import DEVICE, DTYPES, gpu, needs_triton_device
+from _device import COMPILE_BACKENDS, DEVICE, DTYPES, gpu, needs_triton_device
+from _errors import bad_input_test
 from _tolerances import assert_close
 
 from lck_kernels import swiglu_packed
@@ -136,11 +137,7 @@ def _bad_calls(device):
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_bad_calls("meta"))))
-def test_bad_input_names_the_argument(i):
-    name, exc, call = _bad_calls(DEVICE)[i]
-    with pytest.raises(exc, match=rf"swiglu_packed: {name}\b"):
-        call()
+test_bad_input_names_the_argument = bad_input_test("swiglu_packed", _bad_calls, count_on="meta")
 
 
 def test_op_level_errors():
@@ -208,12 +205,6 @@ def test_opcheck(shape):
 # Under TRITON_INTERPRET the ops are opaque custom ops and Inductor would have to build C++ for CPU tensors
 # (a minute per graph on CI machines); "aot_eager" runs the same Dynamo + AOTAutograd tracing, functionalisation
 # and fake-tensor shape propagation. On the GPU the ops are triton_ops and Inductor compiles the real graph.
-COMPILE_BACKENDS = [
-    pytest.param(
-        "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"
-    ),
-    pytest.param("inductor", marks=gpu, id="gpu-inductor"),
-]
 
 
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
