@@ -152,3 +152,35 @@ def run_mlp(mlp, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]
         "fc1 weight grad": mlp.linear_fc1.weight.grad.clone(),
         "fc2 weight grad": mlp.linear_fc2.weight.grad.clone(),
     }
+
+
+def stock_and_patched_mlp(
+    mlp, x: torch.Tensor, dout: torch.Tensor, in_place: bool, where: str = ""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``run_mlp`` on Megatron's stock SwiGLU, then again with lck's patched in (and reverted after); the
+    patched run must have taken lck's kernel, not the fallback."""
+    from megatron.core.transformer import mlp as mlp_module
+
+    from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
+
+    stock = run_mlp(mlp, x, dout)
+    apply_lck_to_megatron(rms_norm=False, swiglu=True, swiglu_in_place=in_place)
+    impl = mlp_module.bias_swiglu_impl
+    patched = run_mlp(mlp, x, dout)
+    assert impl.calls == {"lck": 1, "fallback": 0}, (
+        f"{where}the patched MLP did not run lck's kernel: {impl.calls}"
+    )
+    revert_lck_from_megatron()
+    return stock, patched
+
+
+def run_interpreted_workers(fn, world: int, what: str, timeout: float) -> list:
+    """``fn(rank, world)`` on ``world`` gloo processes under Triton's interpreter; skipped unless this
+    process runs the interpreter too (the CPU variant)."""
+    import os
+
+    from lck_runtime.testing import run_workers
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(f"CPU {what} needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return run_workers(fn, world, timeout=timeout, env={"TRITON_INTERPRET": "1"})

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_close, kernel_device, transformer_config
+from _helpers import assert_close, kernel_device, run_interpreted_workers, transformer_config
 
 pytestmark = pytest.mark.megatron
 
@@ -418,11 +418,5 @@ def _ep2_worker(rank: int, world: int) -> int:
 
 
 def test_ep2_matches_float64_over_gloo() -> None:
-    import os
-
-    from lck_runtime.testing import run_workers
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU EP=2 needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    out = run_workers(_ep2_worker, 2, timeout=600, env={"TRITON_INTERPRET": "1"})
+    out = run_interpreted_workers(_ep2_worker, 2, "EP=2", timeout=600)
     assert out == [3 + 2 * (E // 2)] * 2  # out, dx, the router weight, each local expert's two weights

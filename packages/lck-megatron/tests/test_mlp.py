@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import assert_close, build_mlp, run_mlp, swiglu_ref, transformer_config
+from _helpers import assert_close, build_mlp, run_mlp, stock_and_patched_mlp, swiglu_ref, transformer_config
 
-from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
+from lck_megatron import apply_lck_to_megatron
 
 pytestmark = pytest.mark.megatron
 
@@ -34,14 +34,7 @@ def _check_parity(
     x = torch.randn(*shape, config.hidden_size, dtype=dtype, device=device)
     dout = torch.randn(*shape, config.hidden_size, dtype=dtype, device=device)
 
-    stock = run_mlp(mlp, x, dout)
-    apply_lck_to_megatron(rms_norm=False, swiglu=True, swiglu_in_place=in_place)
-    from megatron.core.transformer import mlp as mlp_module
-
-    impl = mlp_module.bias_swiglu_impl
-    patched = run_mlp(mlp, x, dout)
-    assert impl.calls == {"lck": 1, "fallback": 0}, f"the patched MLP did not run lck's kernel: {impl.calls}"
-    revert_lck_from_megatron()
+    stock, patched = stock_and_patched_mlp(mlp, x, dout, in_place)
     ref = _reference(mlp, x, dout)
 
     # bf16: three roundings (fc1 output, activation, fc2) stack up; loosen by 2x for the chain.

@@ -9,11 +9,8 @@ hold whatever layout megatron-core gives the shards.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-from lck_runtime.testing import run_workers
+from _helpers import run_interpreted_workers
 
 pytestmark = pytest.mark.megatron
 
@@ -21,9 +18,7 @@ pytestmark = pytest.mark.megatron
 def _mlp_cases(rank: int, group) -> int:
     import torch
     import torch.distributed as dist
-    from _helpers import assert_close, build_mlp, run_mlp, swiglu_ref, transformer_config
-
-    from lck_megatron import apply_lck_to_megatron, revert_lck_from_megatron
+    from _helpers import assert_close, build_mlp, stock_and_patched_mlp, swiglu_ref, transformer_config
 
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):
@@ -35,14 +30,7 @@ def _mlp_cases(rank: int, group) -> int:
                 assert mlp.linear_fc1.weight.shape[0] == 2 * config.ffn_hidden_size // 2
                 x = torch.randn(*shape, config.hidden_size, dtype=dtype)
                 dout = torch.randn(*shape, config.hidden_size, dtype=dtype)
-                stock = run_mlp(mlp, x, dout)
-                apply_lck_to_megatron(rms_norm=False, swiglu=True, swiglu_in_place=in_place)
-                from megatron.core.transformer import mlp as mlp_module
-
-                impl = mlp_module.bias_swiglu_impl
-                patched = run_mlp(mlp, x, dout)
-                assert impl.calls == {"lck": 1, "fallback": 0}, f"rank {rank}: lck did not run: {impl.calls}"
-                revert_lck_from_megatron()
+                stock, patched = stock_and_patched_mlp(mlp, x, dout, in_place, where=f"rank {rank}: ")
 
                 w1 = mlp.linear_fc1.weight.detach().double().requires_grad_(True)
                 w2 = mlp.linear_fc2.weight.detach().double().requires_grad_(True)
@@ -175,7 +163,5 @@ def _tp2_worker(rank: int, world: int) -> dict[str, int]:
 
 
 def test_tp2_mlp_cross_entropy_and_output_layer_over_gloo() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU TP=2 needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    out = run_workers(_tp2_worker, 2, timeout=900, env={"TRITON_INTERPRET": "1"})
+    out = run_interpreted_workers(_tp2_worker, 2, "TP=2", timeout=900)
     assert out == [{"mlp": 8, "cross_entropy": 6, "linear_cross_entropy": 4}] * 2
