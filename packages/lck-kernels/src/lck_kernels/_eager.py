@@ -168,6 +168,22 @@ if _FAST:
     _raw_stream = torch._C._cuda_getCurrentRawStream
     _current_device = torch._C._cuda_getDevice
 
+
+def _hook_set(hook: Any) -> bool:
+    # Triton >= 3.6 keeps each launch hook as a chain object that is never None (empty when no hook is
+    # installed); older releases keep None or a callable.
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def launch_hooked() -> bool:
+    """True when a Triton launch hook (a profiler such as proton) is installed: launches then take Triton's
+    own path, which calls it."""
+    return _FAST and (_hook_set(_hooks.launch_enter_hook) or _hook_set(_hooks.launch_exit_hook))
+
+
 _I32 = 1 << 31
 _LAUNCHES: dict[tuple[Any, ...], Launch] = {}
 
@@ -226,7 +242,7 @@ class Launch:
     def raw(self, grid: tuple[int, ...], *args: Any) -> None:
         """Launch now, whatever is tracing: for plain eager calls and opaque ``custom_op`` bodies (which
         only ever see real tensors)."""
-        if not _FAST or _hooks.launch_enter_hook is not None or _hooks.launch_exit_hook is not None:
+        if not _FAST or launch_hooked():
             self.fn[grid](*args, **self.meta)
             return
         device = _current_device()
