@@ -35,20 +35,24 @@ def _receive(
     weights: bool,
     expand: bool,
 ) -> dict[str, Any]:
+    """The receiving kernel's outputs; the int64 ones are views of one allocation (fewer host calls)."""
     dev, w, k = buf.device, buf.num_ranks, buf.num_topk
+    cap = w * buf.max_tokens_per_rank
+    sizes = [w, w + 1, 1] + ([rows, rows * k, rows, cap] if meta else [])
+    ints = torch.empty(sum(sizes), dtype=torch.int64, device=dev).split(sizes)
     out: dict[str, Any] = {
         # An expanded dispatch's rows go straight to the expert-major output (NativeEp.expand_rows).
         "recv_x": None if expand else torch.empty(rows, width, dtype=dtype, device=dev),
-        "recv_counts": torch.empty(w, dtype=torch.int64, device=dev),
-        "recv_starts": torch.empty(w + 1, dtype=torch.int64, device=dev),
-        "num_recv": torch.empty(1, dtype=torch.int64, device=dev),
+        "recv_counts": ints[0],
+        "recv_starts": ints[1],
+        "num_recv": ints[2],
     }
     if meta:
-        out["recv_src_idx"] = torch.empty(rows, dtype=torch.int64, device=dev)
-        out["recv_topk_idx"] = torch.empty(rows, k, dtype=torch.int64, device=dev)
+        out["recv_src_idx"] = ints[3]
+        out["recv_topk_idx"] = ints[4].view(rows, k)
         out["recv_topk_weights"] = torch.empty(rows, k, dtype=torch.float32, device=dev) if weights else None
-        out["recv_src_rank"] = torch.empty(rows, dtype=torch.int64, device=dev)
-        out["slot_pos"] = torch.empty(w * buf.max_tokens_per_rank, dtype=torch.int64, device=dev)
+        out["recv_src_rank"] = ints[5]
+        out["slot_pos"] = ints[6]
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lck_ep.codegen import KernelSpec, layout_spec
-from lck_ep.knobs import EpKnobs, read_knobs
+from lck_ep.knobs import EpKnobs, current_knobs, read_knobs
 
 __all__ = [
     "MAX_LAYOUT_SHARED_BYTES",
@@ -48,7 +48,7 @@ def check_layout_problem(
     Raises :class:`~lck_ep.knobs.KnobError` for a bad knob, ``ValueError`` for a problem the kernel
     cannot hold (more experts and ranks than its shared-memory counters fit).
     """
-    knobs = read_knobs() if knobs is None else knobs
+    knobs = current_knobs() if knobs is None else knobs
     knobs.check_problem(num_experts=num_experts, num_topk=num_topk)
     need = 4 * (num_experts + num_ranks)
     if need > MAX_LAYOUT_SHARED_BYTES:

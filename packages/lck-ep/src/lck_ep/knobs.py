@@ -45,6 +45,7 @@ __all__ = [
     "EpKnobs",
     "IntKnob",
     "KnobError",
+    "current_knobs",
     "read_knobs",
 ]
 
@@ -200,3 +201,20 @@ def read_knobs(environ: Mapping[str, str] | None = None) -> EpKnobs:
         from_extra_flags=frozenset(only_in_flags),
         **values,  # type: ignore[arg-type]
     )
+
+
+_SEEN: dict[tuple[str | None, ...], EpKnobs] = {}
+
+
+def current_knobs() -> EpKnobs:
+    """:func:`read_knobs` of ``os.environ``, parsed once per distinct value of the ``EP_*`` variables (a
+    dispatch looks them up on every call); a bad value raises on every call, as read_knobs does."""
+    key = tuple(os.environ.get(n) for n in _KNOB_VARIABLES)
+    knobs = _SEEN.get(key)
+    if knobs is None:
+        knobs = read_knobs()
+        _SEEN[key] = knobs
+    return knobs
+
+
+_KNOB_VARIABLES = ("EP_JIT_EXTRA_FLAGS", "EP_HYBRID_KERNEL", *(k.name for k in INT_KNOBS))

@@ -154,6 +154,7 @@ class NativeEp:
         self.done = torch.zeros(5, dtype=torch.int32, device=device)  # one grid ticket per publishing kernel
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
+        self._status_word = self.status_host.numpy()  # the same memory, read without a torch call
         self.kernels = build_native_kernels(device.index)
 
     @classmethod
@@ -170,9 +171,9 @@ class NativeEp:
     # -- diagnostics ----------------------------------------------------------------------------------
     def raise_if_failed(self) -> None:
         """Raise the diagnostic an earlier call left (no synchronisation: what has landed on the host)."""
-        s = self.status_host
-        if int(s[0]) == 0:
+        if self._status_word[0] == 0:
             return
+        s = self.status_host
         code, phase, who, seen, want, waited = (int(v) for v in s.tolist())
         what = _PHASES.get(phase, f"phase {phase}")
         ranks = self.ctx.ranks
