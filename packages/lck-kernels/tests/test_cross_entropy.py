@@ -364,6 +364,23 @@ def test_split_kernel_gives_up_instead_of_hanging():
     assert_close(grad[:, last], ref[:, last] / n, torch.float32, name="last member's slice")
 
 
+def _check_real_vocabularies(seeds: tuple[int, int]) -> None:
+    """Real sizes against float64 under a tuning: Llama-3's vocabulary (mean, every option) and Qwen's
+    (sum, in place)."""
+    check_against_reference(
+        8192,
+        128256,
+        torch.bfloat16,
+        "mean",
+        seed=seeds[0],
+        rows_per_chunk=512,
+        **_options("everything", 128256),
+    )
+    check_against_reference(
+        4096, 151936, torch.bfloat16, "sum", seed=seeds[1], rows_per_chunk=512, in_place=True
+    )
+
+
 @gpu
 @pytest.mark.parametrize(
     "params",
@@ -375,18 +392,7 @@ def test_split_rows_match_float64_reference_gpu(params, poisoned):
     with tuning("cross_entropy_fwd_grad", cuda=0, **params):  # the Triton kernel, not the CUDA cluster one
         cfg = ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))
         assert cfg["SPLIT"] == params["split"], cfg
-        check_against_reference(
-            8192,
-            128256,
-            torch.bfloat16,
-            "mean",
-            seed=21,
-            rows_per_chunk=512,
-            **_options("everything", 128256),
-        )
-        check_against_reference(
-            4096, 151936, torch.bfloat16, "sum", seed=23, rows_per_chunk=512, in_place=True
-        )
+        _check_real_vocabularies(seeds=(21, 23))
 
 
 @gpu
@@ -404,18 +410,7 @@ def test_maxima_per_strip_or_tile_match_float64_reference_gpu(params, poisoned):
     ):
         cfg = ce_launch_config("cross_entropy_fwd_grad", 8192, 128256, 2, torch.device(DEVICE))
         assert cfg["WARP_MAX"] == bool(params.get("warp_max", 1))  # on by default
-        check_against_reference(
-            8192,
-            128256,
-            torch.bfloat16,
-            "mean",
-            seed=31,
-            rows_per_chunk=512,
-            **_options("everything", 128256),
-        )
-        check_against_reference(
-            4096, 151936, torch.bfloat16, "sum", seed=32, rows_per_chunk=512, in_place=True
-        )
+        _check_real_vocabularies(seeds=(31, 32))
         logits, target = make_case(512, 128256, torch.bfloat16, seed=33)
         loss = cross_entropy(logits, target, reduction="none")  # the loss-only kernel
         ref = F.cross_entropy(logits.double(), target, reduction="none")

@@ -74,6 +74,18 @@ def _targets(gen: torch.Generator, n: int, vocab: int) -> torch.Tensor:
     return t
 
 
+def _linear_inputs(tokens: int, bias: bool = False) -> Inputs:
+    """A fused linear CE problem: x (tokens x 1024), a 32000 x 1024 weight (and a bias), some ignored targets."""
+
+    def make(gen: torch.Generator) -> list[torch.Tensor]:
+        x = _randn(gen, tokens, 1024, dtype=torch.bfloat16)
+        w = _randn(gen, 32000, 1024, dtype=torch.bfloat16) * 0.05
+        b = [_randn(gen, 32000, dtype=torch.bfloat16) * 0.1] if bias else []
+        return [x, w, *b, _targets(gen, tokens, 32000)]
+
+    return make
+
+
 def test_rms_norm_in_a_cuda_graph() -> None:
     def make(gen):
         return [
@@ -110,29 +122,19 @@ def test_cross_entropy_in_a_cuda_graph(reduction: str) -> None:
 
 
 def test_fused_linear_cross_entropy_in_a_cuda_graph() -> None:
-    def make(gen):
-        x = _randn(gen, 3000, 1024, dtype=torch.bfloat16)
-        w = _randn(gen, 32000, 1024, dtype=torch.bfloat16) * 0.05
-        return [x, w, _targets(gen, 3000, 32000)]
-
     # a 64 MiB budget: 1024-token chunks, so the graph holds several chunks and a partial one
     def op(x, w, target):
         return fused_linear_cross_entropy(x, w, target, reduction="mean", chunk_bytes=64 << 20)
 
-    _graph_matches_eager(op, make, torch.bfloat16)
+    _graph_matches_eager(op, _linear_inputs(3000), torch.bfloat16)
 
 
 def test_fused_linear_scaled_cross_entropy_in_a_cuda_graph() -> None:
-    def make(gen):
-        x = _randn(gen, 2048, 1024, dtype=torch.bfloat16)
-        w = _randn(gen, 32000, 1024, dtype=torch.bfloat16) * 0.05
-        return [x, w, _targets(gen, 2048, 32000)]
-
     def op(x, w, target):
         nll, lse = fused_linear_scaled_cross_entropy(x, w, target, inverse_temperature=0.8)
         return nll + 0.1 * lse
 
-    _graph_matches_eager(op, make, torch.bfloat16)
+    _graph_matches_eager(op, _linear_inputs(2048), torch.bfloat16)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -140,16 +142,10 @@ def test_reduced_fused_linear_scaled_cross_entropy_in_a_cuda_graph(reduction: st
     # The reduced path finishes the NLL's gradient inside the forward (divided by a device-side count of
     # valid tokens for "mean"); the lse term adds a recomputed gradient in the backward. Both must stay on
     # the device: a host read of the count would fail the capture.
-    def make(gen):
-        x = _randn(gen, 2500, 1024, dtype=torch.bfloat16)
-        w = _randn(gen, 32000, 1024, dtype=torch.bfloat16) * 0.05
-        b = _randn(gen, 32000, dtype=torch.bfloat16) * 0.1
-        return [x, w, b, _targets(gen, 2500, 32000)]
-
     def op(x, w, b, target):
         nll, lse = fused_linear_scaled_cross_entropy(
             x, w, target, bias=b, inverse_temperature=1.25, reduction=reduction, chunk_bytes=64 << 20
         )
         return nll + 1e-3 * lse.sum()
 
-    _graph_matches_eager(op, make, torch.bfloat16)
+    _graph_matches_eager(op, _linear_inputs(2500, bias=True), torch.bfloat16)
