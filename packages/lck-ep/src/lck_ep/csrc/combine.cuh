@@ -84,55 +84,75 @@ struct CombineRecvArgs {
   unsigned long long timeout_ns;
 };
 
-// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows). The rows of
-// up to four members are loaded before any is added, so several loads are in flight, and then added in
-// ascending member order (the reference order).
-template <typename T, int kVec>
+// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows), kSpan such
+// groups per lane at once (32 * kVec apart). The rows of up to four members are loaded for every group
+// before any is added, so up to 4 * kSpan loads are in flight per lane, and then each element adds them
+// in ascending member order (the reference order: the grouping only changes when loads are issued).
+template <typename T, int kVec, int kSpan>
 __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
   const T* b0 = static_cast<const T*>(a.bias0);
   const T* b1 = static_cast<const T*>(a.bias1);
   T* out = static_cast<T*>(a.out) + t * a.hidden;
   const bool* mask = a.mask + t * a.num_ranks;
   const long long* slot = a.send_slot + t * a.num_ranks;
-  for (int h = lane * kVec; h < a.hidden; h += 32 * kVec) {
-    float acc[kVec];
+  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
+    float acc[kSpan][kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+    for (int u = 0; u < kSpan; ++u)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
     for (int d0 = 0; d0 < a.num_ranks; d0 += 4) {
-      T vals[4][kVec];
-      bool use[4];
+      T vals[4][kSpan][kVec];
+      const T* rows[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int d = d0 + j;
-        use[j] = d < a.num_ranks && mask[d];
-        if (!use[j]) continue;
-        const T* row;
+        rows[j] = nullptr;
+        if (d >= a.num_ranks || !mask[d]) continue;
         if (d != a.me) {
-          row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
+          rows[j] = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
         } else {
           const long long p = self_start + slot[d];
-          use[j] = p < a.valid_rows;  // a row the dispatch dropped comes back as zeros: adds nothing
-          row = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
-          if (!use[j]) continue;
-        }
-        if constexpr (kVec == 8) {
-          *reinterpret_cast<int4*>(vals[j]) = *reinterpret_cast<const int4*>(row + h);
-        } else {
-          vals[j][0] = row[h];
+          // a row the dispatch dropped comes back as zeros: adds nothing
+          if (p < a.valid_rows) rows[j] = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
         }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (!use[j]) continue;
+        if (rows[j] == nullptr) continue;
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) acc[v] = __fadd_rn(acc[v], to_float(vals[j][v]));
+        for (int u = 0; u < kSpan; ++u) {
+          const int h = h0 + u * 32 * kVec;
+          if (h >= a.hidden) break;
+          if constexpr (kVec == 8) {
+            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
+          } else {
+            vals[j][u][0] = rows[j][h];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          if (h0 + u * 32 * kVec >= a.hidden) break;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) acc[u][v] = __fadd_rn(acc[u][v], to_float(vals[j][u][v]));
+        }
       }
     }
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      if (b0 != nullptr) acc[v] = __fadd_rn(acc[v], to_float(b0[t * a.hidden + h + v]));
-      if (b1 != nullptr) acc[v] = __fadd_rn(acc[v], to_float(b1[t * a.hidden + h + v]));
-      out[h + v] = from_float<T>(acc[v]);
+    for (int u = 0; u < kSpan; ++u) {
+      const int h = h0 + u * 32 * kVec;
+      if (h >= a.hidden) break;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        float r = acc[u][v];
+        if (b0 != nullptr) r = __fadd_rn(r, to_float(b0[t * a.hidden + h + v]));
+        if (b1 != nullptr) r = __fadd_rn(r, to_float(b1[t * a.hidden + h + v]));
+        out[h + v] = from_float<T>(r);
+      }
     }
   }
 }
@@ -155,10 +175,10 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     const long long self_start = a.recv_starts[a.me];
     for (long long t = warp; t < a.num_tokens; t += warps) {
       if constexpr (sizeof(T) == 2) {
-        if (vec) reduce_token<T, 8>(a, t, lane, self_start);
-        else reduce_token<T, 1>(a, t, lane, self_start);
+        if (vec) reduce_token<T, 8, 2>(a, t, lane, self_start);
+        else reduce_token<T, 1, 4>(a, t, lane, self_start);
       } else {
-        reduce_token<T, 1>(a, t, lane, self_start);
+        reduce_token<T, 1, 4>(a, t, lane, self_start);
       }
     }
   }
@@ -181,44 +201,60 @@ struct ReduceExpandedArgs {
   int num_topk, hidden;
 };
 
-template <typename T, int kVec>
+template <typename T, int kVec, int kSpan>
 __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long long n, int lane) {
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.partial) + n * a.hidden;
   const long long* index = a.index + n * a.num_topk;
-  for (int h = lane * kVec; h < a.hidden; h += 32 * kVec) {
-    float acc[kVec];
+  const float* weights = a.weights != nullptr ? a.weights + n * a.num_topk : nullptr;
+  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
+    float acc[kSpan][kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+    for (int u = 0; u < kSpan; ++u)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
     for (int k0 = 0; k0 < a.num_topk; k0 += 4) {
-      T vals[4][kVec];
-      bool use[4];
+      T vals[4][kSpan][kVec];
+      const T* rows[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // up to four rows' loads in flight before any is added
+      for (int j = 0; j < 4; ++j) {  // up to four slots' rows in flight before any is added
         const int k = k0 + j;
-        use[j] = k < a.num_topk && index[k] >= 0;
-        if (!use[j]) continue;
-        const T* row = x + index[k] * a.hidden;
-        if constexpr (kVec == 8) {
-          *reinterpret_cast<int4*>(vals[j]) = *reinterpret_cast<const int4*>(row + h);
-        } else {
-          vals[j][0] = row[h];
+        rows[j] = k < a.num_topk && index[k] >= 0 ? x + index[k] * a.hidden : nullptr;
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          const int h = h0 + u * 32 * kVec;
+          if (h >= a.hidden) break;
+          if constexpr (kVec == 8) {
+            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
+          } else {
+            vals[j][u][0] = rows[j][h];
+          }
         }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (!use[j]) continue;
-        const float w = a.weights != nullptr ? a.weights[n * a.num_topk + k0 + j] : 1.0f;
+        if (rows[j] == nullptr) continue;
+        const float w = weights != nullptr ? weights[k0 + j] : 1.0f;
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) {
-          float f = to_float(vals[j][v]);
-          if (a.weights != nullptr) f = __fmul_rn(f, w);
-          acc[v] = __fadd_rn(acc[v], f);
+        for (int u = 0; u < kSpan; ++u) {
+          if (h0 + u * 32 * kVec >= a.hidden) break;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) {
+            float f = to_float(vals[j][u][v]);
+            if (weights != nullptr) f = __fmul_rn(f, w);
+            acc[u][v] = __fadd_rn(acc[u][v], f);
+          }
         }
       }
     }
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(acc[v]);
+    for (int u = 0; u < kSpan; ++u) {
+      const int h = h0 + u * 32 * kVec;
+      if (h >= a.hidden) break;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(acc[u][v]);
+    }
   }
 }
 
@@ -231,10 +267,10 @@ __device__ inline void reduce_expanded(const ReduceExpandedArgs& a) {
                    ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
   for (long long n = warp; n < a.num_rows; n += warps) {
     if constexpr (sizeof(T) == 2) {
-      if (vec) reduce_expanded_row<T, 8>(a, n, lane);
-      else reduce_expanded_row<T, 1>(a, n, lane);
+      if (vec) reduce_expanded_row<T, 8, 2>(a, n, lane);
+      else reduce_expanded_row<T, 1, 4>(a, n, lane);
     } else {
-      reduce_expanded_row<T, 1>(a, n, lane);
+      reduce_expanded_row<T, 1, 4>(a, n, lane);
     }
   }
 }
