@@ -156,6 +156,7 @@ class NativeEp:
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
         self._status_word = self.status_host.numpy()  # the same memory, read without a torch call
         self.kernels = build_native_kernels(device.index)
+        self.device_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     @classmethod
     def for_context(cls, ctx: Any, device: torch.device) -> NativeEp:
@@ -351,11 +352,15 @@ class NativeEp:
         num_sms: int,
     ) -> None:
         """``out[m]`` = received row ``src_row[m]`` (zero where -1) straight from the workspace; then this
-        member has finished reading the operation (the dispatch's publication)."""
+        member has finished reading the operation (the dispatch's publication).
+
+        It waits for nothing, so it may take every SM without stalling a peer (the channel limit
+        ``num_sms`` is for the kernels that spin on other members): it replaces a torch gather of the
+        same rows, which took the whole GPU too."""
         lay = self.layout
         x_bytes = x.shape[1] * x.element_size()
         self.kernels["ep_expand_rows"].launch(
-            num_sms,
+            max(num_sms, self.device_sms),
             _THREADS,
             [
                 x,

@@ -287,7 +287,8 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
 // The expanded maps from the kept rows' routing (one block per local expert j, grid-strided):
 // offsets [L + 1], src_row / slot [M] (-1 on padding), index [N, K] (-1 where the slot is not local).
 // kept_counts are dispatch_recv's kept_per_expert. Entries of expert j are ranked in flat (row, slot)
-// order by a block-wide ballot scan over every entry; the entries of other experts are skipped.
+// order by a block-wide scan over every entry (eight consecutive entries a thread); the entries of other
+// experts are skipped.
 struct ExpandMapsArgs {
   const long long* recv_topk_idx;  // [N, K] local expert or -1
   const int* kept_counts;          // [L]
@@ -338,7 +339,8 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
   for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < a.num_entries;
        e += static_cast<long long>(gridDim.x) * blockDim.x)
     if (a.recv_topk_idx[e] < 0) a.index[e] = -1;
-  const long long chunk = blockDim.x;
+  constexpr int kPer = 8;
+  const long long chunk = static_cast<long long>(blockDim.x) * kPer;
   for (int j = blockIdx.x; j < L; j += gridDim.x) {
     long long before = 0;
     for (int i = threadIdx.x; i < j; i += blockDim.x) before += round_up(a.kept_counts[i], a.alignment);
@@ -352,11 +354,22 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
     }
     long long found = 0;
     for (long long c0 = 0; c0 < a.num_entries && found < count; c0 += chunk) {
-      const long long e = c0 + threadIdx.x;
-      const long long v = e < a.num_entries ? a.recv_topk_idx[e] : -2;
-      const bool hit = v == j;
-      const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-      if (lane == 0) warp_base[warp] = __popc(ballot);
+      // kPer consecutive entries per thread (threads in entry order), their hits scanned over the block
+      const long long e0 = c0 + static_cast<long long>(threadIdx.x) * kPer;
+      long long v[kPer];
+      int mine = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        v[i] = e0 + i < a.num_entries ? a.recv_topk_idx[e0 + i] : -2;
+        mine += v[i] == j;
+      }
+      int incl = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (lane == 31) warp_base[warp] = incl;
       __syncthreads();
       if (threadIdx.x == 0) {
         int acc = 0;
@@ -368,11 +381,15 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
         warp_base[nwarps] = acc;
       }
       __syncthreads();
-      if (hit) {
-        const long long r = base + found + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u));
+      long long r = base + found + warp_base[warp] + incl - mine;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if (v[i] != j) continue;
+        const long long e = e0 + i;
         a.index[e] = r;
         a.src_row[r] = e / K;
         a.slot[r] = e % K;
+        ++r;
       }
       found += warp_base[nwarps];
       __syncthreads();  // warp_base is rewritten by the next chunk
