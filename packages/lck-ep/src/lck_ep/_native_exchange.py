@@ -25,28 +25,13 @@ from lck_ep.native import NativeEp
 __all__ = ["combine", "dispatch", "replay"]
 
 
-def _receive(
-    st: NativeEp,
-    buf: BufferView,
-    rows: int,
-    width: int,
-    dtype: torch.dtype,
-    meta: bool,
-    weights: bool,
-    expand: bool,
-) -> dict[str, Any]:
+def _receive(buf: BufferView, rows: int, meta: bool, weights: bool) -> dict[str, Any]:
     """The receiving kernel's outputs; the int64 ones are views of one allocation (fewer host calls)."""
     dev, w, k = buf.device, buf.num_ranks, buf.num_topk
     cap = w * buf.max_tokens_per_rank
     sizes = [w, w + 1, 1] + ([rows, rows * k, rows, cap] if meta else [])
     ints = torch.empty(sum(sizes), dtype=torch.int64, device=dev).split(sizes)
-    out: dict[str, Any] = {
-        # An expanded dispatch's rows go straight to the expert-major output (NativeEp.expand_rows).
-        "recv_x": None if expand else torch.empty(rows, width, dtype=dtype, device=dev),
-        "recv_counts": ints[0],
-        "recv_starts": ints[1],
-        "num_recv": ints[2],
-    }
+    out: dict[str, Any] = {"recv_counts": ints[0], "recv_starts": ints[1], "num_recv": ints[2]}
     if meta:
         out["recv_src_idx"] = ints[3]
         out["recv_topk_idx"] = ints[4].view(rows, k)
@@ -54,6 +39,10 @@ def _receive(
         out["recv_src_rank"] = ints[5]
         out["slot_pos"] = ints[6]
     return out
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    return x.shape[1] * x.element_size()
 
 
 def dispatch(
@@ -81,24 +70,24 @@ def dispatch(
             plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights, big_l,
             buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
-        out = _receive(
-            st, buf, rows, plan.x.shape[1], plan.x.dtype, True, plan.topk_weights is not None, plan.expand
-        )
+        out = _receive(buf, rows, True, plan.topk_weights is not None)
         # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps).
         hist = (
             torch.zeros(2 * big_l, dtype=torch.int32, device=dev) if counts is None or plan.expand else None
         )
         out["per_expert"] = hist[:big_l] if hist is not None and counts is None else None
         out["kept_per_expert"] = hist[big_l:] if hist is not None and plan.expand else None
-        st.receive_rows(
-            plan.x, rows=rows, num_topk=plan.num_topk, has_meta=True, num_local_experts=big_l,
-            cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
+        st.receive(
+            row_bytes=_row_bytes(plan.x), rows=rows, num_topk=plan.num_topk, has_meta=True,
+            num_local_experts=big_l, cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms,
+            timeout_ns=buf.timeout_ns,
         )  # fmt: skip
         fields: dict[str, Any] = {}
         if plan.expand:
             recv_x, fields = _expand(st, buf, plan.x, out, rows, m, a)
         else:
-            recv_x = out["recv_x"]
+            recv_x = torch.empty(rows, plan.x.shape[1], dtype=plan.x.dtype, device=dev)
+            st.copy_rows(plan.x, out["recv_starts"], None, recv_x, buf.num_sms)
     if counts is not None:
         mode: dict[str, Any] = dict(
             send_counts=tuple(send),
@@ -155,7 +144,7 @@ def _expand(
     index = torch.empty(rows, k, dtype=torch.int64, device=dev)
     st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
     recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
-    st.expand_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
+    st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
     fields = dict(
         expert_offsets=offsets,
         expanded_src_row=src_row,
@@ -176,16 +165,16 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
             x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None, buf.num_local_experts,
             buf.num_sms, buf.timeout_ns,
         )  # fmt: skip
-        out = _receive(st, buf, h.num_recv_rows, x.shape[1], x.dtype, False, False, h.expand)
-        st.receive_rows(
-            x, rows=h.num_recv_rows, num_topk=h.num_topk, has_meta=False, num_local_experts=buf.num_local_experts,
-            cap=buf.max_tokens_per_rank, out=out, num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
+        out = _receive(buf, h.num_recv_rows, False, False)
+        st.receive(
+            row_bytes=_row_bytes(x), rows=h.num_recv_rows, num_topk=h.num_topk, has_meta=False,
+            num_local_experts=buf.num_local_experts, cap=buf.max_tokens_per_rank, out=out,
+            num_sms=buf.num_sms, timeout_ns=buf.timeout_ns,
         )  # fmt: skip
-        if not h.expand:
-            return out["recv_x"]
-        assert h.expanded_src_row is not None
-        recv_x = torch.empty(h.expanded_src_row.shape[0], x.shape[1], dtype=x.dtype, device=buf.device)
-        st.expand_rows(x, out["recv_starts"], h.expanded_src_row, recv_x, buf.num_sms)
+        src_row = h.expanded_src_row if h.expand else None
+        m = h.expanded_src_row.shape[0] if h.expanded_src_row is not None and h.expand else h.num_recv_rows
+        recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=buf.device)
+        st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
     return recv_x
 
 

@@ -19,11 +19,11 @@ KERNEL_ROLES = {
     "ep_layout": "layout (tokens per rank and expert, token-to-rank mask)",
     "ep_send_slots": "dispatch, send slots (each token's row in its destinations' regions)",
     "ep_dispatch_send": "dispatch, sender (rows into the destinations' workspaces)",
-    "ep_dispatch_recv": "dispatch, receiver (rows laid out in order, counts per expert)",
+    "ep_dispatch_recv": "dispatch, receiver (waits for the sources; routing laid out, counts per expert)",
     "ep_combine_send": "combine, sender (partial rows back to their sources)",
     "ep_combine_recv": "combine, receiver (float32 sum in rank order, bias, rounding)",
     "ep_expand_maps": "dispatch, expanded maps (expert-major rank of every routed slot)",
-    "ep_expand_rows": "dispatch, expanded rows (workspace rows into the expert-major output)",
+    "ep_dispatch_rows": "dispatch, rows out of the workspace (compact or expert-major), then release",
     "ep_reduce_expanded": "combine, expanded rows reduced per received row (weighted, float32)",
 }
 

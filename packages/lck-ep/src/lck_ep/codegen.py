@@ -119,16 +119,16 @@ _NATIVE_BODIES = {
     ),
     "ep_dispatch_recv": (
         "dispatch.cuh",
-        """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
-    long long meta_offset, long long x_bytes, long long cap, long long out_rows, int num_ranks, int me,
-    int num_topk, int has_meta, int num_local_experts, uint8_t* recv_x, long long* recv_src_idx,
-    long long* recv_topk_idx, float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts,
-    long long* recv_starts, long long* slot_pos, long long* num_recv, int* per_expert, int* kept_per_expert,
-    int expand, unsigned int* done, long long* status, unsigned long long timeout_ns""",
-        """lck_ep::DispatchRecvArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, cap, out_rows,
-        num_ranks, me, num_topk, has_meta, num_local_experts, recv_x, recv_src_idx, recv_topk_idx,
-        recv_topk_weights, recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert,
-        kept_per_expert, expand, done, status, timeout_ns};
+        """const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
+    long long meta_offset, long long cap, long long out_rows, int num_ranks, int me, int num_topk,
+    int has_meta, int num_local_experts, long long* recv_src_idx, long long* recv_topk_idx,
+    float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts, long long* recv_starts,
+    long long* slot_pos, long long* num_recv, int* per_expert, int* kept_per_expert, long long* status,
+    unsigned long long timeout_ns""",
+        """lck_ep::DispatchRecvArgs a{ws, my_sig, region_bytes, row_stride, meta_offset, cap, out_rows, num_ranks,
+        me, num_topk, has_meta, num_local_experts, recv_src_idx, recv_topk_idx, recv_topk_weights,
+        recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, kept_per_expert, status,
+        timeout_ns};
     lck_ep::dispatch_recv(a);""",
     ),
     "ep_expand_maps": (
@@ -140,14 +140,14 @@ _NATIVE_BODIES = {
         alignment, offsets, src_row, slot, index, status};
     lck_ep::expand_maps(a);""",
     ),
-    "ep_expand_rows": (
+    "ep_dispatch_rows": (
         "dispatch.cuh",
         """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
     long long meta_offset, long long x_bytes, const long long* recv_starts, const long long* src_row,
     long long out_rows, int num_ranks, int me, uint8_t* out, unsigned int* done, long long* status""",
-        """lck_ep::ExpandRowsArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, recv_starts,
+        """lck_ep::DispatchRowsArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, recv_starts,
         src_row, out_rows, num_ranks, me, out, done, status};
-    lck_ep::expand_rows(a);""",
+    lck_ep::dispatch_rows(a);""",
     ),
     "ep_combine_send": (
         "combine.cuh",

@@ -151,7 +151,7 @@ class NativeEp:
         ]
         self.peer_ws = torch.tensor([w.data_ptr() for w, _ in self._views], dtype=torch.int64, device=device)
         self.peer_sig = torch.tensor([s.data_ptr() for _, s in self._views], dtype=torch.int64, device=device)
-        self.done = torch.zeros(5, dtype=torch.int32, device=device)  # one grid ticket per publishing kernel
+        self.done = torch.zeros(4, dtype=torch.int32, device=device)  # one grid ticket per publishing kernel
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
         self._status_word = self.status_host.numpy()  # the same memory, read without a torch call
@@ -249,10 +249,10 @@ class NativeEp:
             ],
         )
 
-    def receive_rows(
+    def receive(
         self,
-        x: torch.Tensor,
         *,
+        row_bytes: int,
         rows: int,
         num_topk: int,
         has_meta: bool,
@@ -262,27 +262,23 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
     ) -> None:
-        """Lay out the ``rows`` rows that arrived (``out["recv_x"]``), or, without ``recv_x`` (an expanded
-        dispatch), only their routing and counts: :meth:`expand_rows` then copies the rows and publishes."""
+        """Wait for every source's rows and lay out their routing and counts into ``out`` (``rows`` output
+        rows); the rows stay in the workspace until :meth:`copy_rows`, which releases it."""
         lay = self.layout
 
         def opt(name: str) -> Any:
             t = out.get(name)
             return Ptr(0) if t is None else t
 
-        x_bytes = x.shape[1] * x.element_size()
-        expand = out.get("recv_x") is None
         self.kernels["ep_dispatch_recv"].launch(
             num_sms,
             _THREADS,
             [
-                x,
                 self.workspace,
                 self.signals,
                 I64(lay.region_bytes),
                 I64(lay.row_stride),
-                I64(meta_offset(x_bytes)),
-                I64(x_bytes),
+                I64(meta_offset(row_bytes)),
                 I64(cap),
                 I64(rows),
                 I32(self.size),
@@ -290,7 +286,6 @@ class NativeEp:
                 I32(num_topk),
                 I32(1 if has_meta else 0),
                 I32(num_local_experts),
-                opt("recv_x"),
                 opt("recv_src_idx"),
                 opt("recv_topk_idx"),
                 opt("recv_topk_weights"),
@@ -301,14 +296,10 @@ class NativeEp:
                 opt("num_recv"),
                 opt("per_expert"),
                 opt("kept_per_expert"),
-                I32(1 if expand else 0),
-                self.done[1:2],
                 self.status,
                 U64(timeout_ns),
             ],
         )
-        if not expand:
-            self._mirror()
 
     def expand_maps(
         self,
@@ -321,7 +312,7 @@ class NativeEp:
         index: torch.Tensor,
     ) -> None:
         """The expanded maps of the kept rows' routing (``recv_topk_idx`` [N, K], ``kept_counts`` [L]
-        int32 from :meth:`receive_rows`) into ``offsets`` [L + 1], ``src_row`` / ``slot`` [M], ``index``
+        int32 from :meth:`receive`) into ``offsets`` [L + 1], ``src_row`` / ``slot`` [M], ``index``
         [N, K]: :func:`lck_ep.expanded.build_expanded`'s result."""
         big_l = kept_counts.shape[0]
         self.kernels["ep_expand_maps"].launch(
@@ -343,23 +334,23 @@ class NativeEp:
             ],
         )
 
-    def expand_rows(
+    def copy_rows(
         self,
         x: torch.Tensor,
         recv_starts: torch.Tensor,
-        src_row: torch.Tensor,
+        src_row: torch.Tensor | None,
         out: torch.Tensor,
         num_sms: int,
     ) -> None:
-        """``out[m]`` = received row ``src_row[m]`` (zero where -1) straight from the workspace; then this
-        member has finished reading the operation (the dispatch's publication).
+        """``out[m]`` = received row ``src_row[m]`` (zero where -1), or without ``src_row`` received row
+        ``m`` (zero past the rows received), straight from the workspace (or ``x`` for this member's own
+        rows); then this member has finished reading the operation (the dispatch's publication).
 
         It waits for nothing, so it may take every SM without stalling a peer (the channel limit
-        ``num_sms`` is for the kernels that spin on other members): it replaces a torch gather of the
-        same rows, which took the whole GPU too."""
+        ``num_sms`` is for the kernels that spin on other members), like a torch copy of the same rows."""
         lay = self.layout
         x_bytes = x.shape[1] * x.element_size()
-        self.kernels["ep_expand_rows"].launch(
+        self.kernels["ep_dispatch_rows"].launch(
             max(num_sms, self.device_sms),
             _THREADS,
             [
@@ -371,12 +362,12 @@ class NativeEp:
                 I64(meta_offset(x_bytes)),
                 I64(x_bytes),
                 recv_starts,
-                src_row,
-                I64(src_row.shape[0]),
+                Ptr(0) if src_row is None else src_row,
+                I64(out.shape[0]),
                 I32(self.size),
                 I32(self.me),
                 out,
-                self.done[4:5],
+                self.done[1:2],
                 self.status,
             ],
         )

@@ -5,15 +5,15 @@
 // rank among this source's tokens for that member), with its routing as the member will read it: the
 // source token index, then per slot the weight (0 where the slot is not the member's) and the local
 // expert index (-1 there). Then the last block publishes (op << 32 | rows) to every member.
-// dispatch_recv (every member, as a destination): waits for every source's word, lays the rows out in
-// the documented order (source ascending, then token ascending: region by region, row by row) into the
-// caller's tensors, pads the rest of a capacity-sized output, and counts entries per local expert.
-//
-// Expanded dispatch (expand=True): dispatch_recv writes the routing but not the rows and does not yet
-// release the workspace; expand_maps ranks every (row, slot) entry inside its local expert (expert, then
-// row, then slot: lck_ep.expanded's order) and expand_rows copies each expanded row straight from the
-// workspace (or from x for this member's own rows) into the expert-major output, zeroing the padding,
-// and then publishes that this member finished reading the operation.
+// dispatch_recv (every member, as a destination): waits for every source's word, lays the routing of the
+// rows out in the documented order (source ascending, then token ascending: region by region, row by
+// row) into the caller's tensors, pads the rest of a capacity-sized output, and counts entries per local
+// expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
+// dispatch_rows (every member): copies the rows out of the workspace (or from x for this member's own
+// rows) into the output, compact or expert-major, zeroing padding, and then publishes that this member
+// finished reading the operation. It waits for nothing, so it runs on every SM.
+// Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside
+// its local expert (expert, then row, then slot: lck_ep.expanded's order).
 //
 // Row layout in a region (row_stride bytes, 16-byte aligned): [x: x_bytes][pad to 4][src: int32]
 // [weights: float32 x K][local expert: int16 x K]; meta_offset is where src starts.
@@ -161,14 +161,12 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
 }
 
 struct DispatchRecvArgs {
-  const uint8_t* x;         // this member's own token rows (its rows to itself are read from here)
   const uint8_t* ws;        // this member's workspace
   long long* my_sig;        // this member's signal words
-  long long region_bytes, row_stride, meta_offset, x_bytes;
+  long long region_bytes, row_stride, meta_offset;
   long long cap;            // rows per region
   long long out_rows;       // rows of the outputs (exact count, or the sync-free capacity)
   int num_ranks, me, num_topk, has_meta, num_local_experts;
-  uint8_t* recv_x;                 // [out_rows, x_bytes]
   long long* recv_src_idx;         // [out_rows] or nullptr (replay)
   long long* recv_topk_idx;        // [out_rows, K]
   float* recv_topk_weights;        // [out_rows, K] or nullptr
@@ -179,8 +177,6 @@ struct DispatchRecvArgs {
   long long* num_recv;             // [1] rows received (may exceed out_rows: the excess is dropped)
   int* per_expert;                 // [L] zeroed; entries per local expert (dropped rows too), or nullptr
   int* kept_per_expert;            // [L] zeroed; entries per local expert of the kept rows, or nullptr
-  int expand;                      // 1: rows are left for expand_rows (recv_x unused), which publishes
-  unsigned int* done;
   long long* status;
   unsigned long long timeout_ns;
 };
@@ -228,10 +224,6 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
         const float* w = reinterpret_cast<const float*>(meta + 4);
         const short* li = reinterpret_cast<const short*>(meta + 4 + 4 * K);
         if (p < kept) {
-          if (!a.expand) {
-            const uint8_t* from = s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(meta)) * a.x_bytes;
-            warp_copy(a.recv_x + p * a.x_bytes, from, a.x_bytes, lane);
-          }
           if (a.has_meta) {
             if (lane == 0) {
               a.recv_src_idx[p] = *reinterpret_cast<const int*>(meta);
@@ -250,7 +242,6 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
             if (li[k] >= 0) count_expert(hist[0], a.per_expert, in_shared, li[k]);
         }
       } else {  // padding of a capacity-sized output: inert rows
-        if (!a.expand) warp_zero(a.recv_x + p * a.x_bytes, a.x_bytes, lane);
         if (a.has_meta) {
           if (lane == 0) {
             a.recv_src_idx[p] = -1;
@@ -280,8 +271,7 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
       if (a.kept_per_expert != nullptr && hist[1][j] != 0) atomicAdd(a.kept_per_expert + j, hist[1][j]);
     }
   }
-  // An expanded dispatch still reads the workspace in expand_rows, which publishes instead.
-  if (!a.expand) finish_receive(a.done, a.my_sig, a.me, op, a.status);
+  // dispatch_rows still reads the workspace: it publishes that this member finished the operation.
 }
 
 // The expanded maps from the kept rows' routing (one block per local expert j, grid-strided):
@@ -397,15 +387,17 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
   }
 }
 
-// Expanded rows: out[m] = received row src_row[m] (read from the workspace, or from x for this member's
-// own rows), zero where src_row[m] is -1; then publish that this member finished reading the operation.
-struct ExpandRowsArgs {
+// The rows out of the workspace: out[m] = received row n (read from the workspace, or from x for this
+// member's own rows), zero where there is none; n = src_row[m] (-1: none) for the expanded layout, else
+// n = m while m is below the rows received (compact, source-major). Then publish that this member
+// finished reading the operation.
+struct DispatchRowsArgs {
   const uint8_t* x;
   const uint8_t* ws;
   long long* my_sig;
   long long region_bytes, row_stride, meta_offset, x_bytes;
   const long long* recv_starts;  // [W + 1] of dispatch_recv
-  const long long* src_row;      // [M]
+  const long long* src_row;      // [M], or nullptr for the compact layout
   long long out_rows;            // M
   int num_ranks, me;
   uint8_t* out;                  // [M, x_bytes]
@@ -413,7 +405,7 @@ struct ExpandRowsArgs {
   long long* status;
 };
 
-__device__ inline void expand_rows(const ExpandRowsArgs& a) {
+__device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
   __shared__ long long starts[kMaxRanks + 1];
   const unsigned long long op = current_op(a.my_sig, a.me);
   __shared__ bool ok;
@@ -424,8 +416,9 @@ __device__ inline void expand_rows(const ExpandRowsArgs& a) {
     const int lane = threadIdx.x & 31;
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    const long long total = starts[a.num_ranks];
     for (long long m = warp; m < a.out_rows; m += warps) {
-      const long long n = a.src_row[m];
+      const long long n = a.src_row != nullptr ? a.src_row[m] : (m < total ? m : -1);
       uint8_t* dst = a.out + m * a.x_bytes;
       if (n < 0) {
         warp_zero(dst, a.x_bytes, lane);
