@@ -1,8 +1,9 @@
-"""What a call raised, as text a worker returns to the test (the runtime's multi-process tests)."""
+"""What the runtime's multi-process tests share: a worker's record of what a call raised, and each rank's
+observations with the label the test's assertions print."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lck_runtime.testing import error_text
@@ -15,3 +16,9 @@ def raised(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     if text == "<no error>":
         raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise")
     return text
+
+
+def per_rank(outs: list[Any]) -> Iterator[tuple[Any, str]]:
+    """Each rank's observations, with ``'rank r: {observations}'`` for the assertions to print."""
+    for rank, o in enumerate(outs):
+        yield o, f"rank {rank}: {o}"

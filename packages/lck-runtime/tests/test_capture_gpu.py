@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _observed import per_rank
 
 from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, error_text, run_workers
 
@@ -103,8 +104,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.multigpu(2)
 def test_all_reduce_in_a_cuda_graph_takes_nccl_and_replays() -> None:
     outs = run_workers(_two_gpus, 2, backend="nccl", timeout=120, env=SINGLE_HOST_NVSHMEM_ENV)
-    for rank, o in enumerate(outs):
-        where = f"rank {rank}: {o}"
+    for o, where in per_rank(outs):
         assert o["native"] is True and o["p2p"] is True, where
         assert o["nvshmem reductions captured"] == 0, where
         assert o["forced nvshmem"].startswith(

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any
 
-from _raised import raised
+from _observed import raised
 
 from lck_runtime.testing import run_workers
 

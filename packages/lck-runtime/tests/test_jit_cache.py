@@ -12,7 +12,9 @@ import os
 import shlex
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,6 +143,18 @@ def test_rejit_when_define_source_arch_or_extra_flag_changes(tmp_path, nvcc, cle
     assert build().from_cache and build().key == base.key
 
 
+def _rebuilt_on_edit(build: Callable[[], Any], header: Path, offset: str) -> Any:
+    """``header`` defining JIT_TEST_OFFSET 1.0f: compiled, then cached; redefined to ``offset``: compiled
+    again under another key. Returns the first build."""
+    header.write_text("#define JIT_TEST_OFFSET 1.0f\n")
+    one = build()
+    assert not one.from_cache and build().from_cache
+    header.write_text(f"#define JIT_TEST_OFFSET {offset}\n")
+    two = build()
+    assert not two.from_cache and two.key != one.key
+    return one
+
+
 def test_rejit_when_an_included_header_changes(tmp_path, nvcc, clean_env):
     script, log = nvcc
     inc = tmp_path / "include"
@@ -152,12 +166,7 @@ def test_rejit_when_an_included_header_changes(tmp_path, nvcc, clean_env):
             "offset", HEADER_SOURCE, "offset_kernel", arch="sm_90a", headers=[header], include_dirs=[inc]
         )
 
-    header.write_text("#define JIT_TEST_OFFSET 1.0f\n")
-    one = build()
-    assert not one.from_cache and build().from_cache
-    header.write_text("#define JIT_TEST_OFFSET 2.0f\n")
-    two = build()
-    assert not two.from_cache and two.key != one.key
+    one = _rebuilt_on_edit(build, header, "2.0f")
     header.write_text("#define JIT_TEST_OFFSET 1.0f\n")
     back = build()
     assert back.from_cache and back.key == one.key
@@ -178,12 +187,7 @@ def test_rejit_when_an_undeclared_nested_header_changes(tmp_path, nvcc, clean_en
             "offset", HEADER_SOURCE, "offset_kernel", arch="sm_90a", include_dirs=[inc]
         )
 
-    nested.write_text("#define JIT_TEST_OFFSET 1.0f\n")
-    one = build()
-    assert not one.from_cache and build().from_cache
-    nested.write_text("#define JIT_TEST_OFFSET 3.0f\n")
-    two = build()
-    assert not two.from_cache and two.key != one.key
+    _rebuilt_on_edit(build, nested, "3.0f")
     assert len(compiles(log)) == 2
 
 

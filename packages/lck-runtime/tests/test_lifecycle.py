@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _raised import raised
+from _observed import raised
 
 from lck_runtime.testing import run_workers
 

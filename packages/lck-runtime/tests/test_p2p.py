@@ -15,6 +15,7 @@ import itertools
 from typing import Any
 
 import pytest
+from _observed import per_rank
 
 from lck_runtime import p2p
 from lck_runtime.testing import (
@@ -121,8 +122,7 @@ def _peerless_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_rank_without_peer_views_turns_the_one_shot_path_off_everywhere() -> None:
-    for rank, o in enumerate(run_workers(_peerless_rank, 2)):
-        where = f"rank {rank}: {o}"
+    for o, where in per_rank(run_workers(_peerless_rank, 2)):
         assert o["native"] is True, where
         assert len(o["warnings"]) == 1, where
         assert "bootstrap rank 1: RuntimeError: no load/store view of PE 0 (simulated)" in o["warnings"][0], (
@@ -254,8 +254,7 @@ def _two_gpus(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.multigpu(2)
 def test_one_shot_all_reduce_on_two_gpus() -> None:
     outs = run_workers(_two_gpus, 2, backend="nccl", timeout=240, env=SINGLE_HOST_NVSHMEM_ENV)
-    for rank, o in enumerate(outs):
-        where = f"rank {rank}: {o}"
+    for o, where in per_rank(outs):
         assert o["native, p2p, slot"] == (True, True, 32768), where
         assert o["loaded at configure"] == [True, True], where
         w = o["worst"]
@@ -311,8 +310,7 @@ def test_one_shot_kernels_load_at_configure_with_two_pes_on_one_gpu() -> None:
     if not mps_daemon_running():
         pytest.skip(SHARED_GPU_SKIP)
     env = {**SINGLE_HOST_NVSHMEM_ENV, **shared_gpu_env(2, 1)}
-    for rank, o in enumerate(run_workers(_one_gpu, 2, backend="gloo", timeout=240, env=env)):
-        where = f"rank {rank}: {o}"
+    for o, where in per_rank(run_workers(_one_gpu, 2, backend="gloo", timeout=240, env=env)):
         assert o["native, p2p"] == (True, True), where
         assert o["loaded at configure"] == [True, True], where
         assert o["worst"] <= 1e-5, where

@@ -9,6 +9,9 @@ processes: hundreds of epochs carrying data, a member that never arrives, and ep
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -206,13 +209,24 @@ def _symmetric_flags(nvshmem, world: int):
     return flags, ptrs
 
 
+@contextmanager
+def _flags_session(rank: int, world: int) -> Iterator[tuple[Any, torch.Tensor, list[int]]]:
+    """NVSHMEM up in this worker, with zeroed symmetric flags and every member's address of them; the
+    flags are freed when the body returns, NVSHMEM is finalized however it ends."""
+    nvshmem = _nvshmem_session(rank, world)
+    try:
+        flags, ptrs = _symmetric_flags(nvshmem, world)
+        yield nvshmem, flags, ptrs
+        nvshmem.free_tensor(flags)
+    finally:
+        nvshmem.finalize()
+
+
 def _exchange_worker(rank: int, world: int, epochs: int) -> dict:
     import torch.distributed as dist
 
-    nvshmem = _nvshmem_session(rank, world)
-    try:
-        width = 256
-        flags, ptrs = _symmetric_flags(nvshmem, world)
+    width = 256
+    with _flags_session(rank, world) as (nvshmem, flags, ptrs):
         data = nvshmem.tensor((2, world, width), dtype=torch.float32)  # [parity, source member, :]
         data.fill_(float("nan"))
         torch.cuda.synchronize()
@@ -256,18 +270,13 @@ def _exchange_worker(rank: int, world: int, epochs: int) -> dict:
         }
         del history, rows
         nvshmem.free_tensor(data)
-        nvshmem.free_tensor(flags)
         return result
-    finally:
-        nvshmem.finalize()
 
 
 def _absent_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    nvshmem = _nvshmem_session(rank, world)
-    try:
-        flags, ptrs = _symmetric_flags(nvshmem, world)
+    with _flags_session(rank, world) as (_, flags, ptrs):
         out: dict = {}
         if rank == 0:  # rank 1 never arrives
             barrier = TeamBarrier(ptrs, rank, timeout_s=0.5)
@@ -289,18 +298,13 @@ def _absent_worker(rank: int, world: int) -> dict:
         dist.barrier()  # rank 0 has finished (and synchronized) its barrier
         out["flags"] = flags.tolist()
         dist.barrier()
-        nvshmem.free_tensor(flags)
         return out
-    finally:
-        nvshmem.finalize()
 
 
 def _out_of_step_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    nvshmem = _nvshmem_session(rank, world)
-    try:
-        flags, ptrs = _symmetric_flags(nvshmem, world)
+    with _flags_session(rank, world) as (_, _, ptrs):
         table = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
         status = new_barrier_status()
         team_barrier(table, rank, 1, status=status, timeout_s=10)
@@ -313,10 +317,7 @@ def _out_of_step_worker(rank: int, world: int) -> dict:
         except BarrierError as exc:
             out = {"error": str(exc), "code": exc.code, "member": exc.member, "seen": exc.seen}
         dist.barrier()
-        nvshmem.free_tensor(flags)
         return out
-    finally:
-        nvshmem.finalize()
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,12 @@ def _check_group(owner: str, value: Any) -> None:
         raise ValueError(f"{owner}.group must be a non-empty name or None, got ''")
 
 
+def _check_counts(record: Any, *names: str) -> None:
+    """Each named field of the config ``record`` is an int >= 1 (checked in the order given)."""
+    for name in names:
+        _check_int(type(record).__name__, name, getattr(record, name), minimum=1)
+
+
 @dataclass(frozen=True)
 class FusedLinearCrossEntropyConfig:
     """Capacities of the vocab-parallel (fused linear) cross entropy over one TP group.
@@ -58,11 +64,8 @@ class FusedLinearCrossEntropyConfig:
     group: str | None = None
 
     def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _check_int(owner, "max_tokens", self.max_tokens, minimum=1)
-        _check_int(owner, "hidden_size", self.hidden_size, minimum=1)
-        _check_int(owner, "local_vocab_size", self.local_vocab_size, minimum=1)
-        _check_group(owner, self.group)
+        _check_counts(self, "max_tokens", "hidden_size", "local_vocab_size")
+        _check_group(type(self).__name__, self.group)
 
     @property
     def capacity(self) -> int:
@@ -102,16 +105,13 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        _check_int(owner, "max_tokens", self.max_tokens, minimum=1)
-        _check_int(owner, "hidden_size", self.hidden_size, minimum=1)
-        _check_int(owner, "num_experts", self.num_experts, minimum=1)
-        _check_int(owner, "top_k", self.top_k, minimum=1)
+        _check_counts(self, "max_tokens", "hidden_size", "num_experts", "top_k")
         if self.top_k > self.num_experts:
             raise ValueError(f"{owner}.top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
-        _check_int(owner, "num_hosts", self.num_hosts, minimum=1)
+        _check_counts(self, "num_hosts")
         if self.gpus_per_host is not None:
-            _check_int(owner, "gpus_per_host", self.gpus_per_host, minimum=1)
-        _check_int(owner, "max_inflight", self.max_inflight, minimum=1)
+            _check_counts(self, "gpus_per_host")
+        _check_counts(self, "max_inflight")
         _check_group(owner, self.group)
 
     def fields(self) -> dict[str, Any]:
