@@ -143,7 +143,8 @@ class LckMegatronSwiGLU(nn.Module):
 
         reason = self._fallback_reason(input, bias, fp8_input_store, cpu_offload_input, args, kwargs)
         if reason is not None:
-            return self._fall_back(reason, input, bias, fp8_input_store, cpu_offload_input, args, kwargs)
+            self._hand_over(reason)
+            return self.fallback_impl(input, bias, fp8_input_store, cpu_offload_input, *args, **kwargs)
 
         # Lazy: importing lck_megatron must not import Triton.
         from lck_kernels import swiglu_packed
@@ -211,16 +212,8 @@ class LckMegatronSwiGLU(nn.Module):
                 out.append(name)
         return out
 
-    def _fall_back(
-        self,
-        reason: tuple[str, str],
-        input: torch.Tensor,
-        bias: torch.Tensor | None,
-        fp8_input_store: Any,
-        cpu_offload_input: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    def _hand_over(self, reason: tuple[str, str]) -> None:
+        """Log and count a call handed to ``fallback_impl``, or refuse it when there is none."""
         arg, why = reason
         if self.fallback_impl is None:
             self._log(f"LckMegatronSwiGLU: refused a call: {why}")
@@ -231,7 +224,6 @@ class LckMegatronSwiGLU(nn.Module):
         self._log(f"LckMegatronSwiGLU: handing calls to {self._fallback_name()} because {why}")
         if not torch.compiler.is_compiling():
             self.calls["fallback"] += 1
-        return self.fallback_impl(input, bias, fp8_input_store, cpu_offload_input, *args, **kwargs)
 
     def _fallback_name(self) -> str:
         fb = self.fallback_impl
