@@ -24,10 +24,14 @@ from typing import Any
 from lck_runtime.config import MoEConfig
 
 __all__ = [
+    "HYBRID_MAX_CHANNELS",
+    "HYBRID_MAX_SUB_PARTS",
+    "HYBRID_SIGNAL_WORDS",
     "SCRATCH_ALIGN",
     "SIGNAL_WORDS_PER_PEER",
     "Reservation",
     "SymmetricPool",
+    "moe_hybrid_area_bytes",
     "moe_workspace_bytes",
     "scratch_numel",
 ]
@@ -46,16 +50,45 @@ def scratch_numel(capacity: int) -> int:
     return (capacity + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
 
 
+# The hybrid (scale-out) area of a workspace whose group spans several hosts (lck_ep.hybrid): at most this
+# many scale-out channels, and the signal words of a peer slot left to them after the scale-up protocol's 3.
+HYBRID_MAX_CHANNELS = 32
+HYBRID_SIGNAL_WORDS = SIGNAL_WORDS_PER_PEER - 3
+HYBRID_MAX_SUB_PARTS = 16  # EP_NUM_SUB_PARTS's upper bound
+
+
+def _moe_row(config: MoEConfig) -> int:
+    row = config.hidden_size * 2 + config.top_k * (8 + 4)
+    return (row + 15) // 16 * 16
+
+
+def moe_hybrid_area_bytes(config: MoEConfig, group_size: int) -> int:
+    """Bytes of one hybrid area (one per other host; 0 on one host).
+
+    As a forwarder, the rows one other host's source puts here (``max_tokens`` rows in at most
+    ``HYBRID_MAX_CHANNELS`` channels, and one sub-part header per signal word and sub-part); as a relay, the
+    partials this host's ``gpus_per_host`` ranks return to that source. One operation uses one of the two.
+    """
+    if config.num_hosts <= 1:
+        return 0
+    g = config.gpus_per_host if config.gpus_per_host is not None else group_size // config.num_hosts
+    row = _moe_row(config)
+    header = 16 + (4 * g + 15) // 16 * 16
+    staging = (config.max_tokens + HYBRID_MAX_CHANNELS) * row
+    staging += HYBRID_SIGNAL_WORDS * HYBRID_MAX_SUB_PARTS * header
+    return max(staging, g * config.max_tokens * row)
+
+
 def moe_workspace_bytes(config: MoEConfig, group_size: int) -> int:
     """Bytes of one MoE context's symmetric workspace.
 
     The worst-case receive area of one dispatch: every member sends all of its ``max_tokens`` tokens
     to this rank, each a bf16 row of ``hidden_size`` plus its ``top_k`` int64 expert ids and fp32
-    weights, rows 16-byte aligned.
+    weights, rows 16-byte aligned. A group over several hosts adds ``num_hosts - 1`` hybrid areas after it
+    (:func:`moe_hybrid_area_bytes`).
     """
-    row = config.hidden_size * 2 + config.top_k * (8 + 4)
-    row = (row + 15) // 16 * 16
-    return group_size * config.max_tokens * row
+    base = group_size * config.max_tokens * _moe_row(config)
+    return base + (config.num_hosts - 1) * moe_hybrid_area_bytes(config, group_size)
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""The hybrid backend's device state and its two sending launches (:mod:`lck_ep.hybrid`).
+
+:class:`HybridEp` is a :class:`lck_ep.native.NativeEp` whose row-sending (``send_rows``) and partial-sending
+(``send_partials``) launches are the hybrid pair's; every other step of a dispatch, replay or combine (send
+slots, receive, expanded maps and rows, reductions) is the native kernels', driven by
+:mod:`lck_ep._native_exchange` unchanged, because the hybrid kernels leave the workspace and the arrival
+words exactly as the native senders do.
+
+Per launch the host computes, with a few device ops and no host synchronisation, each host stream (the
+tokens that go to a host, in token order: ``host_tokens [NH, T]``, ``host_rows [NH]``) and the rows sent to
+every rank before each token (``excl [T, W]``, the first send slot a sub-part header carries).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from lck_ep.hybrid import HybridPlan, build_hybrid_kernels, plan_hybrid, read_hybrid_options
+from lck_ep.knobs import read_knobs
+from lck_ep.native import NativeEp, NativeTimeoutError, meta_offset
+from lck_runtime.jit import I32, I64, U64, Ptr
+
+__all__ = ["HybridEp"]
+
+_THREADS = 512
+_HYBRID_PHASES = {
+    5: "hybrid dispatch, forwarder waiting for a source's sub-part puts",
+    6: "hybrid dispatch, a sub-part header did not validate",
+    7: "hybrid combine, forwarder waiting for a rank of its host to relay partials",
+    8: "hybrid combine, source waiting for a forwarder's partial rows",
+}
+_LOCK = threading.Lock()
+_STATES: dict[int, HybridEp] = {}
+
+
+class HybridEp(NativeEp):
+    """The hybrid state of one MoE context (``num_hosts > 1``) on this rank; get it with :meth:`for_context`."""
+
+    hybrid = True
+
+    def __init__(self, ctx: Any, device: torch.device) -> None:
+        super().__init__(ctx, device)
+        cfg = ctx.config
+        self.knobs = read_knobs()
+        self.options = read_hybrid_options()
+        self.num_hosts = cfg.num_hosts
+        self.g = ctx.gpus_per_host
+        self.hybrid_base = self.size * self.layout.region_bytes
+        self._plans: dict[int | None, HybridPlan] = {}
+        # Validated once with the default channels; each num_sms is planned (and validated) on first use.
+        base = self.plan(None)
+        self.area_bytes = base.area_bytes
+        self.pack = torch.empty(
+            max(1, (self.num_hosts - 1) * self.area_bytes), dtype=torch.uint8, device=device
+        )
+        self.fwd_rows = torch.zeros(max(1, (self.num_hosts - 1) * self.g), dtype=torch.int32, device=device)
+        self.tickets = torch.zeros(4, dtype=torch.int32, device=device)
+        self.hybrid_kernels = build_hybrid_kernels(device.index, self.knobs)
+        self.launches = {"dispatch": 0, "combine": 0}  # the tests check that the hybrid pair ran
+
+    @classmethod
+    def for_context(cls, ctx: Any, device: torch.device) -> HybridEp:
+        with _LOCK:
+            state = _STATES.get(id(ctx))
+            if state is not None and state.ctx is ctx:
+                return state
+        state = cls(ctx, device)
+        with _LOCK:
+            _STATES[id(ctx)] = state
+        return state
+
+    def plan(self, num_sms: int | None) -> HybridPlan:
+        got = self._plans.get(num_sms)
+        if got is None:
+            got = plan_hybrid(
+                config=self.ctx.config,
+                num_ranks=self.size,
+                num_sms=num_sms,
+                knobs=self.knobs,
+                options=self.options,
+            )
+            self._plans[num_sms] = got
+        return got
+
+    def raise_if_failed(self) -> None:
+        if self._status_word[0] == 0:
+            return
+        code, phase, who = (int(v) for v in self.status_host[:3].tolist())
+        if phase not in _HYBRID_PHASES and code != 3:
+            super().raise_if_failed()
+            return
+        seen, want, waited = (int(v) for v in self.status_host[3:].tolist())
+        ranks = self.ctx.ranks
+        if code == 1:
+            detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
+        elif code == 3:
+            detail = f"from group rank {who} (global rank {ranks[who]}): word {seen:#x}, expected {want:#x}"
+        else:
+            detail = f"group rank {who} (global rank {ranks[who]}) is at {seen}, expected {want}"
+        raise NativeTimeoutError(
+            f"lck_ep hybrid backend on group rank {self.me}: {_HYBRID_PHASES.get(phase, f'phase {phase}')}: "
+            f"{detail}. A member stopped calling dispatch/combine or called a different sequence; this "
+            "context's native state is unusable now (finalize and configure again)"
+        )
+
+    # -- the two sending launches ---------------------------------------------------------------------
+    def send_rows(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        send_slot: torch.Tensor,
+        rows_to: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_local_experts: int,
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        plan = self.plan(num_sms)
+        lay = self.layout
+        t = mask.shape[0]
+        nh, g = self.num_hosts, self.g
+        hmask = mask.view(t, nh, g).any(2)
+        host_rows = hmask.sum(0, dtype=torch.int32)
+        # Tokens of each host stream first, in token order (a stable sort of "not going there").
+        host_tokens = (
+            torch.argsort((~hmask).to(torch.int8), dim=0, stable=True).t().to(torch.int32).contiguous()
+        )
+        as_int = mask.to(torch.int32)
+        excl = (torch.cumsum(as_int, 0, dtype=torch.int32) - as_int).contiguous()
+        x_bytes = x.shape[1] * x.element_size()
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        opt = self.options
+        self.hybrid_kernels["dispatch"].launch(
+            plan.channels,
+            _THREADS,
+            [
+                x,
+                I64(x_bytes),
+                topk_idx if topk_idx is not None else Ptr(0),
+                topk_weights if topk_weights is not None else Ptr(0),
+                mask,
+                send_slot,
+                excl,
+                host_tokens,
+                host_rows,
+                rows_to,
+                self.peer_ws,
+                self.peer_sig,
+                self.pack,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I64(meta_offset(x_bytes)),
+                I64(self.hybrid_base),
+                I64(self.area_bytes),
+                I32(t),
+                I32(k),
+                I32(self.size),
+                I32(self.me),
+                I32(num_local_experts),
+                I32(g),
+                I32(nh),
+                I32(plan.channels),
+                I32(plan.parts),
+                I32(plan.q_cap),
+                I32(plan.header_bytes),
+                I32(lay.cap),
+                I32(1 if opt.debug_reorder else 0),
+                U64(opt.debug_delay_us * 1000),
+                self.fwd_rows,
+                self.tickets[0:2],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+        self.launches["dispatch"] += 1
+
+    def send_partials(
+        self,
+        partial: torch.Tensor,
+        recv_counts: torch.Tensor,
+        recv_starts: torch.Tensor,
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        plan = self.plan(num_sms)
+        lay = self.layout
+        opt = self.options
+        self.hybrid_kernels["combine"].launch(
+            plan.channels,
+            _THREADS,
+            [
+                partial,
+                I64(partial.shape[1] * partial.element_size()),
+                I64(partial.shape[0]),
+                recv_counts,
+                recv_starts,
+                self.peer_ws,
+                self.peer_sig,
+                I64(lay.region_bytes),
+                I64(lay.row_stride),
+                I64(self.hybrid_base),
+                I32(self.size),
+                I32(self.me),
+                I32(self.g),
+                I32(self.num_hosts),
+                I32(plan.channels),
+                I32(lay.cap),
+                I32(1 if opt.debug_reorder else 0),
+                U64(opt.debug_delay_us * 1000),
+                self.tickets[2:4],
+                self.status,
+                U64(timeout_ns),
+            ],
+        )
+        self.launches["combine"] += 1
