@@ -163,10 +163,10 @@ _NATIVE_BODIES = {
         "combine.cuh",
         """const uint8_t* partial, long long valid_rows, const long long* recv_starts, const uint8_t* ws,
     long long* my_sig, long long region_bytes, long long row_stride, const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
-    int num_tokens, int hidden, int num_ranks, int me, int dtype, unsigned int* done, long long* status,
-    unsigned long long timeout_ns""",
+    int num_tokens, int hidden, int num_ranks, int me, int stage, int dtype, unsigned int* done,
+    long long* status, unsigned long long timeout_ns""",
         """lck_ep::CombineRecvArgs a{partial, valid_rows, recv_starts, ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
-        num_tokens, hidden, num_ranks, me, done, status, timeout_ns};
+        num_tokens, hidden, num_ranks, me, stage, done, status, timeout_ns};
     // 0: bf16, 1: fp16, 2: fp32 (lck_ep.native)
     if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);
     else if (dtype == 1) lck_ep::combine_recv<__half>(a);

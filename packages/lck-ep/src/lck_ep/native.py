@@ -438,30 +438,33 @@ class NativeEp:
         lay = self.layout
         b0 = bias[0] if len(bias) > 0 else Ptr(0)
         b1 = bias[1] if len(bias) > 1 else Ptr(0)
-        self.kernels["ep_combine_recv"].launch(
-            num_sms,
-            _THREADS,
-            [
-                partial,
-                I64(partial.shape[0]),
-                recv_starts,
-                self.workspace,
-                self.signals,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
-                mask,
-                send_slot,
-                b0,
-                b1,
-                out,
-                I32(out.shape[0]),
-                I32(out.shape[1]),
-                I32(self.size),
-                I32(self.me),
-                I32(_COMBINE_CODES[out.dtype]),
-                self.done[3:4],
-                self.status,
-                U64(timeout_ns),
-            ],
-        )
+        # Stage 0 waits (one block spins), stage 1 sums on every SM: see combine.cuh.
+        for stage, blocks in ((0, 1), (1, max(num_sms, self.device_sms))):
+            self.kernels["ep_combine_recv"].launch(
+                blocks,
+                _THREADS,
+                [
+                    partial,
+                    I64(partial.shape[0]),
+                    recv_starts,
+                    self.workspace,
+                    self.signals,
+                    I64(lay.region_bytes),
+                    I64(lay.row_stride),
+                    mask,
+                    send_slot,
+                    b0,
+                    b1,
+                    out,
+                    I32(out.shape[0]),
+                    I32(out.shape[1]),
+                    I32(self.size),
+                    I32(self.me),
+                    I32(stage),
+                    I32(_COMBINE_CODES[out.dtype]),
+                    self.done[3:4],
+                    self.status,
+                    U64(timeout_ns),
+                ],
+            )
         self._mirror()

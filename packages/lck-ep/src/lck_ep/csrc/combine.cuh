@@ -79,6 +79,7 @@ struct CombineRecvArgs {
   const void* bias1;
   void* out;                   // [T, H]
   int num_tokens, hidden, num_ranks, me;
+  int stage;                   // 0: wait for every member's partials (one block); 1: sum them and publish
   unsigned int* done;
   long long* status;
   unsigned long long timeout_ns;
@@ -157,13 +158,23 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
   }
 }
 
+// Two launches of one kernel: stage 0 (a single block) waits for every member's partials; stage 1, on
+// every SM (it waits for nothing, the stream orders it after stage 0), sums them and publishes that this
+// member finished reading the operation. So the spinning stays on one block and the sum, all local
+// reads, takes the whole GPU.
 template <typename T>
 __device__ inline void combine_recv(const CombineRecvArgs& a) {
   __shared__ long long counts[kMaxRanks];
   __shared__ long long starts[kMaxRanks + 1];
+  __shared__ bool ok;
   const unsigned long long op = current_op(a.my_sig, a.me);
-  const bool ok = gather_arrivals(a.my_sig, a.num_ranks, kCombineArrived, 0, op, counts, starts, a.status,
-                                  kPhaseCombineArrive, a.timeout_ns);
+  if (a.stage == 0) {
+    gather_arrivals(a.my_sig, a.num_ranks, kCombineArrived, 0, op, counts, starts, a.status,
+                    kPhaseCombineArrive, a.timeout_ns);
+    return;
+  }
+  if (threadIdx.x == 0) ok = !failed(a.status);  // stage 0 failed: the partials are not all there
+  __syncthreads();
   if (ok) {
     const int lane = threadIdx.x & 31;
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
