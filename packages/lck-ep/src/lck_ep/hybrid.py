@@ -20,7 +20,7 @@ Options (read when a Buffer is built; runtime arguments, no recompilation), besi
 ==============================  ==============================  ========================================
 variable                        default                         meaning
 ==============================  ==============================  ========================================
-``EP_HYBRID_CHANNELS``          ``min(num_sms, 8)``             scale-out channels (blocks of the pair)
+``EP_HYBRID_CHANNELS``          8                               scale-out channels (blocks of the pair)
 ``EP_HYBRID_NUM_PARTS``         ``min(4, budget // channels)``  parts per channel (unordered: one
                                                                 counting signal each)
 ``EP_HYBRID_DEBUG_REORDER``     0                               1: the put warp holds sub-parts back and
@@ -248,7 +248,8 @@ def plan_hybrid(
     knobs: EpKnobs | None = None,
     options: HybridOptions | None = None,
 ) -> HybridPlan:
-    """Resolve and validate the scale-out geometry for a context's ``MoEConfig`` and a Buffer's ``num_sms``.
+    """Resolve and validate the scale-out geometry for a context's ``MoEConfig`` (``num_sms`` is accepted for
+    symmetry with the native kernels; the channel count does not depend on it).
 
     Raises :class:`HybridBudgetError` (a ``ValueError``) naming the limit a value exceeds and by how much:
     channels beyond the hybrid area's ``HYBRID_MAX_CHANNELS``, channels x parts beyond the signal words of a
@@ -289,9 +290,9 @@ def plan_hybrid(
         raise _over(
             "MoEConfig.max_tokens (a header's row field)", config.max_tokens, MAX_CAP, "use fewer tokens"
         )
-    channels = options.channels
-    if channels is None:
-        channels = min(num_sms if num_sms is not None else DEFAULT_CHANNELS, DEFAULT_CHANNELS)
+    # Not derived from num_sms: the channel count must be the same on every rank (a Buffer's num_sms is not
+    # agreed across ranks), and EP_HYBRID_CHANNELS, like every EP_* variable, must be set alike everywhere.
+    channels = DEFAULT_CHANNELS if options.channels is None else options.channels
     if channels > HYBRID_MAX_CHANNELS:
         raise _over(
             f"EP_HYBRID_CHANNELS={channels} (channels the hybrid area is sized for)",
