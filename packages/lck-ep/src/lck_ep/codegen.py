@@ -123,12 +123,12 @@ _NATIVE_BODIES = {
     long long meta_offset, long long cap, long long out_rows, int num_ranks, int me, int num_topk,
     int has_meta, int num_local_experts, long long* recv_src_idx, long long* recv_topk_idx,
     float* recv_topk_weights, long long* recv_src_rank, long long* recv_counts, long long* recv_starts,
-    long long* slot_pos, long long* num_recv, int* per_expert, int* kept_per_expert, long long* status,
-    unsigned long long timeout_ns""",
+    long long* slot_pos, long long* num_recv, int* per_expert, int* kept_per_expert, int stage,
+    long long* status, unsigned long long timeout_ns""",
         """lck_ep::DispatchRecvArgs a{ws, my_sig, region_bytes, row_stride, meta_offset, cap, out_rows, num_ranks,
         me, num_topk, has_meta, num_local_experts, recv_src_idx, recv_topk_idx, recv_topk_weights,
-        recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, kept_per_expert, status,
-        timeout_ns};
+        recv_src_rank, recv_counts, recv_starts, slot_pos, num_recv, per_expert, kept_per_expert, stage,
+        status, timeout_ns};
     lck_ep::dispatch_recv(a);""",
     ),
     "ep_expand_maps": (

@@ -270,36 +270,39 @@ class NativeEp:
             t = out.get(name)
             return Ptr(0) if t is None else t
 
-        self.kernels["ep_dispatch_recv"].launch(
-            num_sms,
-            _THREADS,
-            [
-                self.workspace,
-                self.signals,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
-                I64(meta_offset(row_bytes)),
-                I64(cap),
-                I64(rows),
-                I32(self.size),
-                I32(self.me),
-                I32(num_topk),
-                I32(1 if has_meta else 0),
-                I32(num_local_experts),
-                opt("recv_src_idx"),
-                opt("recv_topk_idx"),
-                opt("recv_topk_weights"),
-                opt("recv_src_rank"),
-                opt("recv_counts"),
-                opt("recv_starts"),
-                opt("slot_pos"),
-                opt("num_recv"),
-                opt("per_expert"),
-                opt("kept_per_expert"),
-                self.status,
-                U64(timeout_ns),
-            ],
-        )
+        # Stage 0 waits (one block spins), stage 1 lays out on every SM: see dispatch.cuh.
+        for stage, blocks in ((0, 1), (1, max(num_sms, self.device_sms))):
+            self.kernels["ep_dispatch_recv"].launch(
+                blocks,
+                _THREADS,
+                [
+                    self.workspace,
+                    self.signals,
+                    I64(lay.region_bytes),
+                    I64(lay.row_stride),
+                    I64(meta_offset(row_bytes)),
+                    I64(cap),
+                    I64(rows),
+                    I32(self.size),
+                    I32(self.me),
+                    I32(num_topk),
+                    I32(1 if has_meta else 0),
+                    I32(num_local_experts),
+                    opt("recv_src_idx"),
+                    opt("recv_topk_idx"),
+                    opt("recv_topk_weights"),
+                    opt("recv_src_rank"),
+                    opt("recv_counts"),
+                    opt("recv_starts"),
+                    opt("slot_pos"),
+                    opt("num_recv"),
+                    opt("per_expert"),
+                    opt("kept_per_expert"),
+                    I32(stage),
+                    self.status,
+                    U64(timeout_ns),
+                ],
+            )
 
     def expand_maps(
         self,

@@ -177,6 +177,7 @@ struct DispatchRecvArgs {
   long long* num_recv;             // [1] rows received (may exceed out_rows: the excess is dropped)
   int* per_expert;                 // [L] zeroed; entries per local expert (dropped rows too), or nullptr
   int* kept_per_expert;            // [L] zeroed; entries per local expert of the kept rows, or nullptr
+  int stage;                       // 0: wait for every source (one block); 1: lay out (every SM)
   long long* status;
   unsigned long long timeout_ns;
 };
@@ -190,15 +191,25 @@ __device__ __forceinline__ void count_expert(int* shared_hist, int* global_hist,
   else atomicAdd(global_hist + j, 1);
 }
 
+// Two launches of one kernel: stage 0 (a single block) waits for every source's arrival word; stage 1, on
+// every SM and stream-ordered after it, reads the same words again (they hold this operation until this
+// member publishes that it finished reading it, in dispatch_rows, so the reads return at once) and lays
+// the routing out. The spin holds one block instead of num_sms.
 __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
   __shared__ long long counts[kMaxRanks];
   __shared__ long long starts[kMaxRanks + 1];
   __shared__ int hist[2][kSharedExperts];
   const unsigned long long op = current_op(a.my_sig, a.me);
+  if (a.stage == 0) {
+    gather_arrivals(a.my_sig, a.num_ranks, kDispatchArrived, 32, op, counts, starts, a.status,
+                    kPhaseDispatchArrive, a.timeout_ns);
+    return;
+  }
   const bool in_shared = a.num_local_experts <= kSharedExperts;
   if (in_shared) {
     for (int j = threadIdx.x; j < a.num_local_experts; j += blockDim.x) hist[0][j] = hist[1][j] = 0;
   }
+  // After stage 0 this waits for nothing; it returns false at once if stage 0 failed (status is set).
   const bool ok = gather_arrivals(a.my_sig, a.num_ranks, kDispatchArrived, 32, op, counts, starts, a.status,
                                   kPhaseDispatchArrive, a.timeout_ns);  // its __syncthreads order the zeros
   if (ok) {
