@@ -6,6 +6,13 @@ diagnostic word and a pinned host mirror of it. The workspace is cut into one re
 of ``MoEConfig.max_tokens`` rows of ``row_stride`` bytes (the size the runtime reserves:
 ``lck_runtime.symmetric.moe_workspace_bytes``); the protocol and the row layout are in ``ep_native.cuh``.
 
+A dispatch is send slots, sender, receiver (a one-block wait, then the routing laid out on every SM),
+for ``expand=True`` the expanded maps, and the row copy out of the workspace (every SM), which releases
+the workspace for the next operation; a combine is, for an expanded handle, the expanded reduction, then
+sender and receiver (a one-block wait, then the sums on every SM). ``num_sms`` sizes the senders, the
+kernels that write into other members' workspaces; the receivers' local passes wait on nobody and take
+the whole GPU, like the torch ops they replace.
+
 Waits are bounded: a member that does not arrive within the Buffer's ``timeout_s`` leaves a diagnostic
 instead of a hang; every later call on the context raises it (:class:`NativeTimeoutError`), and
 :meth:`NativeEp.check` raises it after a synchronisation.
@@ -34,7 +41,7 @@ __all__ = [
     "row_layout",
 ]
 
-DEFAULT_NUM_SMS = 24  # channels (blocks) per kernel unless the Buffer is given num_sms
+DEFAULT_NUM_SMS = 24  # channels (blocks) of the sending kernels unless the Buffer is given num_sms
 # Row element types the kernels move (as bytes); combine sums bf16, fp16 and fp32 partials. A row must fit
 # the workspace's rows, which the runtime sizes for 2-byte hidden states (:func:`row_fits`).
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
