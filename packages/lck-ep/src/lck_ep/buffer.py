@@ -106,8 +106,9 @@ class Buffer:
             native kernels, or a ``ValueError`` saying why they cannot run) or ``"reference"``.
             :attr:`backend` says which one runs. The native backend moves bf16/fp16 rows; it also takes a
             gloo ``group`` with CUDA tensors (the agreement then runs through the host).
-        num_sms: blocks (channels) per native kernel; default ``min(24, SMs)``. A runtime argument: any
-            value reuses the same compiled kernels.
+        num_sms: blocks (channels) of the native kernels that send rows to other ranks; default ``min(24,
+            SMs)`` (the receivers' local passes wait on nobody and use the whole GPU). A runtime argument:
+            any value reuses the same compiled kernels.
         timeout_s: how long a native kernel waits for a peer before it gives up and the call raises
             :class:`lck_ep.native.NativeTimeoutError` (naming the rank and the phase) instead of hanging.
 
