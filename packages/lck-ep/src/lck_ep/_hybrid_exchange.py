@@ -13,12 +13,19 @@ every rank before each token (``excl [T, W]``, the first send slot a sub-part he
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import torch
 
-from lck_ep.hybrid import HybridPlan, build_hybrid_kernels, plan_hybrid, read_hybrid_options
+from lck_ep.hybrid import (
+    HybridBudgetError,
+    HybridPlan,
+    build_hybrid_kernels,
+    plan_hybrid,
+    read_hybrid_options,
+)
 from lck_ep.knobs import read_knobs
 from lck_ep.native import NativeEp, NativeTimeoutError, meta_offset
 from lck_runtime.jit import I32, I64, U64, Ptr
@@ -59,6 +66,7 @@ class HybridEp(NativeEp):
         self.fwd_rows = torch.zeros(max(1, (self.num_hosts - 1) * self.g), dtype=torch.int32, device=device)
         self.tickets = torch.zeros(4, dtype=torch.int32, device=device)
         self.hybrid_kernels = build_hybrid_kernels(device.index, self.knobs)
+        self._check_resident(base, device)
         self.launches = {"dispatch": 0, "combine": 0}  # the tests check that the hybrid pair ran
 
     @classmethod
@@ -84,6 +92,28 @@ class HybridEp(NativeEp):
             )
             self._plans[num_sms] = got
         return got
+
+    def _check_resident(self, plan: HybridPlan, device: torch.device) -> None:
+        """Every block of a hybrid kernel must be resident at once: a channel waits for its peers' channel of
+        the same operation, whose blocks may in turn wait for this one's. Under CUDA MPS a process gets
+        its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` share of the SMs."""
+        props = torch.cuda.get_device_properties(device)
+        share = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") or 100)
+        sms = max(1, int(props.multi_processor_count * min(share, 100.0) / 100))
+        regs = max(k.attributes(device.index)["num_regs"] for k in self.hybrid_kernels.values())
+        per_sm = max(
+            1,
+            min(
+                props.max_threads_per_multi_processor // _THREADS,
+                props.regs_per_multiprocessor // max(1, regs * _THREADS),
+            ),
+        )
+        if plan.channels > sms * per_sm:
+            raise HybridBudgetError(
+                f"hybrid: {plan.channels} channels need {plan.channels} resident blocks but this process has "
+                f"{sms} SMs of {per_sm} block(s) each (over by {plan.channels - sms * per_sm}); set "
+                f"EP_HYBRID_CHANNELS to at most {sms * per_sm}"
+            )
 
     def raise_if_failed(self) -> None:
         if self._status_word[0] == 0:
