@@ -13,16 +13,19 @@ import torch
 import torch.nn.functional as F
 from _tolerances import assert_close
 from _tp_helpers import (
-    CPU_ENV,
     GPU_ENV,
     _expect_error,
     _poison_cached_memory,
     _same_targets,
-    _section,
     _sections,
     _timed,
     cpu_variant,
-    run_cpu_world,
+    gpu_tp2_test,
+    run_side_by_side,
+    run_world_tests,
+    same_messages,
+    same_result,
+    world_test,
 )
 from test_cross_entropy import assert_close_on_device
 from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager
@@ -88,16 +91,21 @@ def _case(
     )
     out.backward(grad.to(out.dtype))
 
+    def torch_loss(logits: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
+        """Plain torch's loss over the whole vocabulary, backpropagated with ``upstream``."""
+        loss = F.cross_entropy(
+            logits.reshape(-1, vocab),
+            target.reshape(-1),
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+        )
+        loss = loss.view(lead) if reduction == "none" else loss
+        loss.backward(upstream)
+        return loss
+
     ref_in = full.requires_grad_(True)
-    ref = F.cross_entropy(
-        ref_in.reshape(-1, vocab),
-        target.reshape(-1),
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-    )
-    ref = ref.view(lead) if reduction == "none" else ref
-    ref.backward(grad)
+    ref = torch_loss(ref_in, grad)
     what = (
         f"rank {rank}/{tp} lead={lead} V={vocab} {dtype} {reduction} eps={label_smoothing} targets={targets}"
     )
@@ -121,15 +129,7 @@ def _case(
         # H200 (1 row, V=32000, fp16) eager was 8.36e-3 from float64 and lck 8.28e-3, 4.2x the fixed
         # tolerance, hence the wider bound on the baseline itself.
         eager_in = full.detach().to(dtype).requires_grad_(True)
-        eager = F.cross_entropy(
-            eager_in.reshape(-1, vocab),
-            target.reshape(-1),
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            reduction=reduction,
-        )
-        eager = eager.view(lead) if reduction == "none" else eager
-        eager.backward(grad.to(eager.dtype))
+        torch_loss(eager_in, grad.to(dtype))
         eager_grad = eager_in.grad[..., rank * vs : (rank + 1) * vs]
         assert_no_worse_than_eager(
             shard.grad, eager_grad, ref_grad, dtype, name=f"grad ({what})", baseline_factor=8.0
@@ -286,7 +286,7 @@ def _compile_cases(group) -> None:
     torch.testing.assert_close(module_out, F.cross_entropy(full, target, reduction="sum"))
 
 
-def _single_rank_cases(rank: int) -> str:
+def _single_rank_cases(world) -> str:
     """Groups of one rank (TP=1, each rank alone): the unsharded loss; local problems raise at once; a
     target outside the vocabulary makes the loss and gradient NaN (no host read to raise from, as in
     ``cross_entropy``) instead of raising."""
@@ -294,6 +294,7 @@ def _single_rank_cases(rank: int) -> str:
 
     from lck_kernels import vocab_parallel_cross_entropy as ce
 
+    rank = dist.get_rank(world)
     singles = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group
     g = singles[rank]
     _case(g, lead=(12,), vocab=40, targets="some_ignored", seed=60 + rank)
@@ -315,61 +316,21 @@ def _single_rank_cases(rank: int) -> str:
     return _expect_error(TypeError, lambda: ce(z, t.to(torch.int16), g), "rank 0", "target", "int16")
 
 
-def _world2_cpu(rank: int, world: int) -> dict[str, object]:
-    import torch.distributed as dist
-
-    g = dist.group.WORLD
-    return _sections(
-        rank,
-        [
-            ("reference", lambda: _reference_cases(g)),
-            ("ignored", lambda: _ignored_cases(g)),
-            ("errors", lambda: _error_cases(g)),
-            ("configured", lambda: _configured_cases(g)),
-            ("compile", lambda: _compile_cases(g)),
-            ("single", lambda: _single_rank_cases(rank)),
-        ],
-    )
+# One pair of processes runs every case above (spawning is the slow part); each test reads its cases.
+test_reference_ignored_rows_and_compile_tp2 = world_test(_reference_cases, _ignored_cases, _compile_cases)
+test_errors_and_capacities_agree_on_every_rank = world_test(
+    _error_cases, _configured_cases, check=same_messages
+)
+test_group_of_one_rank_checks_targets_on_the_device = world_test(_single_rank_cases, check=same_result)
 
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, object]]:
-    return run_cpu_world(_world2_cpu)
-
-
-@cpu_variant
-def test_matches_gathered_reference_tp2(world2) -> None:
-    _section(world2, "reference")
-
-
-@cpu_variant
-def test_all_ignored_rows_give_zero_loss_and_grad(world2) -> None:
-    _section(world2, "ignored")
-
-
-@cpu_variant
-def test_errors_are_the_same_on_every_rank(world2) -> None:
-    per_rank = _section(world2, "errors")
-    for case in per_rank[0]:
-        assert per_rank[0][case] == per_rank[1][case], f"{case}: ranks raised different messages: {per_rank}"
-
-
-@cpu_variant
-def test_configured_group_enforces_capacities(world2) -> None:
-    per_rank = _section(world2, "configured")
-    for case in per_rank[0]:
-        assert per_rank[0][case] == per_rank[1][case], f"{case}: ranks raised different messages: {per_rank}"
-
-
-@cpu_variant
-def test_compile_fullgraph_opcheck_and_module(world2) -> None:
-    _section(world2, "compile")
-
-
-@cpu_variant
-def test_group_of_one_rank_checks_targets_on_the_device(world2) -> None:
-    messages = _section(world2, "single")
-    assert messages[0] == messages[1], messages  # each rank alone, the same local problem
+    return run_world_tests(
+        test_reference_ignored_rows_and_compile_tp2,
+        test_errors_and_capacities_agree_on_every_rank,
+        test_group_of_one_rank_checks_targets_on_the_device,
+    )
 
 
 def _single_rank_gpu(rank: int, world: int) -> None:
@@ -418,61 +379,30 @@ def test_gpu_group_of_one_rank_has_no_host_sync() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _world4_cpu(rank: int, world: int) -> dict[str, object]:
-    import torch.distributed as dist
+def _unconfigured_side_by_side(tp4, tp2, rank: int) -> None:
+    _case(tp4, lead=(12,), vocab=64, targets="last_shard", seed=1)
+    _case(tp2, lead=(12,), vocab=64, targets="some_ignored", seed=2 + rank // 2)  # pairs differ
+    _case(tp4, lead=(12,), vocab=128, reduction="mean", label_smoothing=0.1, seed=4)
 
-    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
 
-    tp4 = dist.group.WORLD
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    tp2 = pairs[rank // 2]
+def _configured_side_by_side(tp4, tp2, rank: int) -> dict[str, str]:
+    from lck_kernels import vocab_parallel_cross_entropy as ce
 
-    def unconfigured() -> None:
-        _case(tp4, lead=(12,), vocab=64, targets="last_shard", seed=1)
-        _case(tp2, lead=(12,), vocab=64, targets="some_ignored", seed=2 + rank // 2)  # pairs differ
-        _case(tp4, lead=(12,), vocab=128, reduction="mean", label_smoothing=0.1, seed=4)
-
-    def configured() -> dict[str, str]:
-        from lck_kernels import vocab_parallel_cross_entropy as ce
-
-        # The runtime reserves process-wide maxima on the first call: the larger section goes first.
-        configure(
-            process_groups={"tp2": tp2, "tp4": tp4},
-            flsce=FusedLinearCrossEntropyConfig(
-                max_tokens=24, hidden_size=8, local_vocab_size=32, group="tp4"
-            ),
-        )
-        configure(
-            flsce=FusedLinearCrossEntropyConfig(
-                max_tokens=16, hidden_size=8, local_vocab_size=32, group="tp2"
-            )
-        )
-        msgs = {}
-        try:
-            assert flsce_context(tp2).size == 2 and flsce_context(tp4).size == 4
-            _case(tp2, lead=(16,), vocab=64, targets="first_shard", seed=5)
-            _case(tp4, lead=(24,), vocab=128, targets="some_ignored", seed=6)
-            # 20 tokens: within the TP=4 context's capacity, beyond the TP=2 one's.
-            _case(tp4, lead=(20,), vocab=128, seed=7)
-            target = _same_targets(64, 20)
-            msgs["tp2_tokens"] = _expect_error(
-                ValueError, lambda: ce(torch.randn(20, 32), target, tp2), "max_tokens"
-            )
-            _case(tp2, lead=(8,), vocab=64, seed=8)
-        finally:
-            finalize()
-        return msgs
-
-    return _sections(rank, [("unconfigured", unconfigured), ("configured", configured)])
+    _case(tp2, lead=(16,), vocab=64, targets="first_shard", seed=5)
+    _case(tp4, lead=(24,), vocab=128, targets="some_ignored", seed=6)
+    # 20 tokens: within the TP=4 context's capacity, beyond the TP=2 one's.
+    _case(tp4, lead=(20,), vocab=128, seed=7)
+    target = _same_targets(64, 20)
+    msgs = {
+        "tp2_tokens": _expect_error(ValueError, lambda: ce(torch.randn(20, 32), target, tp2), "max_tokens")
+    }
+    _case(tp2, lead=(8,), vocab=64, seed=8)
+    return msgs
 
 
 @cpu_variant
 def test_tp4_and_tp2_groups_side_by_side() -> None:
-    results = run_workers(_world4_cpu, 4, env=CPU_ENV, timeout=600)
-    _section(results, "unconfigured")
-    msgs = _section(results, "configured")
-    assert msgs[0]["tp2_tokens"] == msgs[1]["tp2_tokens"], msgs
-    assert msgs[2]["tp2_tokens"] == msgs[3]["tp2_tokens"], msgs
+    run_side_by_side(_unconfigured_side_by_side, _configured_side_by_side, hidden_size=8)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -541,13 +471,7 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
     return _sections(rank, [("nccl", nccl), ("nvshmem", native)])
 
 
-@pytest.mark.multigpu(2)
-def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
-    # Bounded well below a CI step's limit, so that a slow run fails here with each rank's section timings.
-    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=110)
-    _section(results, "nccl")
-    natives = _section(results, "nvshmem")
-    assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"
+test_gpu_tp2_real_sizes_nccl_and_nvshmem = gpu_tp2_test(_world2_gpu)
 
 
 # ---------------------------------------------------------------------------------------------------------

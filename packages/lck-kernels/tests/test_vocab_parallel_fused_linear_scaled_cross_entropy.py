@@ -14,20 +14,19 @@ import pytest
 import torch
 from _tolerances import assert_close
 from _tp_helpers import (
-    CPU_ENV,
-    GPU_ENV,
     _expect_error,
     _poison_cached_memory,
     _same_targets,
-    _section,
     _sections,
     _timed,
     cpu_variant,
-    run_cpu_world,
+    gpu_tp2_test,
+    run_side_by_side,
+    run_world_tests,
+    same_messages,
+    world_test,
 )
 from test_fused_linear_scaled_cross_entropy import assert_no_worse_than_eager, eager_linear
-
-from lck_runtime.testing import run_workers
 
 OUTPUTS = ("nll", "lse", "entropy")
 
@@ -198,12 +197,6 @@ def _eager_baseline(x, w, target, tau, ignore_index, reduction, ups, grads, dtyp
             base[name] = base[name].view(lead)
     base["grad x"] = base["grad x"].view(*lead, hidden)
     return base
-
-
-def _same_messages(per_rank: list[dict[str, str]]) -> None:
-    for case in per_rank[0]:
-        msgs = {m[case] for m in per_rank}
-        assert len(msgs) == 1, f"{case}: ranks raised different messages: {msgs}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,62 +451,20 @@ def _compile_cases(group) -> None:
     assert_close(nll, ref, torch.float32, name="module nll")
 
 
-def _world2_cpu(rank: int, world: int) -> dict[str, object]:
-    import torch.distributed as dist
-
-    g = dist.group.WORLD
-    return _sections(
-        rank,
-        [
-            ("reference", lambda: _reference_cases(g)),
-            ("ignored", lambda: _ignored_cases(g)),
-            ("no_grad", lambda: _no_grad_cases(g)),
-            ("double_backward", lambda: _double_backward_case(g)),
-            ("errors", lambda: _error_cases(g)),
-            ("configured", lambda: _configured_cases(g)),
-            ("compile", lambda: _compile_cases(g)),
-        ],
-    )
+# One pair of processes runs every case above (spawning is the slow part); each test reads its cases.
+test_matches_unsharded_reference_tp2 = world_test(
+    _reference_cases, _ignored_cases, _no_grad_cases, _double_backward_case, _compile_cases
+)
+test_errors_and_capacities_agree_on_every_rank = world_test(
+    _error_cases, _configured_cases, check=same_messages
+)
 
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, object]]:
-    return run_cpu_world(_world2_cpu)
-
-
-@cpu_variant
-def test_matches_unsharded_reference_tp2(world2) -> None:
-    _section(world2, "reference")
-
-
-@cpu_variant
-def test_all_ignored_rows_and_empty_input(world2) -> None:
-    _section(world2, "ignored")
-
-
-@cpu_variant
-def test_forward_without_grad(world2) -> None:
-    _section(world2, "no_grad")
-
-
-@cpu_variant
-def test_second_backward_through_prepared_gradients_raises(world2) -> None:
-    _section(world2, "double_backward")
-
-
-@cpu_variant
-def test_errors_are_the_same_on_every_rank(world2) -> None:
-    _same_messages(_section(world2, "errors"))
-
-
-@cpu_variant
-def test_configured_group_enforces_capacities(world2) -> None:
-    _same_messages(_section(world2, "configured"))
-
-
-@cpu_variant
-def test_compile_fullgraph_opcheck_and_module(world2) -> None:
-    _section(world2, "compile")
+    return run_world_tests(
+        test_matches_unsharded_reference_tp2, test_errors_and_capacities_agree_on_every_rank
+    )
 
 
 def test_chunk_rows() -> None:
@@ -530,58 +481,29 @@ def test_chunk_rows() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _world4_cpu(rank: int, world: int) -> dict[str, object]:
-    import torch.distributed as dist
+def _unconfigured_side_by_side(tp4, tp2, rank: int) -> None:
+    _case(tp4, lead=(12,), hidden=16, vocab=128, tau=0.6, targets="last_shard", seed=1)
+    _case(tp2, lead=(12,), hidden=16, vocab=64, targets="some_ignored", seed=2 + rank // 2)
 
-    from lck_runtime import FusedLinearCrossEntropyConfig, configure, finalize, flsce_context
 
-    tp4 = dist.group.WORLD
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    tp2 = pairs[rank // 2]
+def _configured_side_by_side(tp4, tp2, rank: int) -> dict[str, str]:
+    from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
 
-    def unconfigured() -> None:
-        _case(tp4, lead=(12,), hidden=16, vocab=128, tau=0.6, targets="last_shard", seed=1)
-        _case(tp2, lead=(12,), hidden=16, vocab=64, targets="some_ignored", seed=2 + rank // 2)
-
-    def configured() -> dict[str, str]:
-        from lck_kernels import vocab_parallel_fused_linear_scaled_cross_entropy as flsce
-
-        configure(
-            process_groups={"tp2": tp2, "tp4": tp4},
-            flsce=FusedLinearCrossEntropyConfig(
-                max_tokens=24, hidden_size=16, local_vocab_size=32, group="tp4"
-            ),
+    _case(tp2, lead=(16,), hidden=16, vocab=64, chunk_bytes=6 * 32 * 4, seed=5 + rank // 2)
+    _case(tp4, lead=(20,), hidden=16, vocab=128, targets="some_ignored", seed=7)  # > the TP=2 capacity
+    target = _same_targets(64, 20)
+    m = {
+        "tp2_tokens": _expect_error(
+            ValueError, lambda: flsce(torch.randn(20, 16), torch.randn(32, 16), target, tp2), "max_tokens"
         )
-        configure(
-            flsce=FusedLinearCrossEntropyConfig(
-                max_tokens=16, hidden_size=16, local_vocab_size=32, group="tp2"
-            )
-        )
-        m = {}
-        try:
-            assert flsce_context(tp2).size == 2 and flsce_context(tp4).size == 4
-            _case(tp2, lead=(16,), hidden=16, vocab=64, chunk_bytes=6 * 32 * 4, seed=5 + rank // 2)
-            _case(
-                tp4, lead=(20,), hidden=16, vocab=128, targets="some_ignored", seed=7
-            )  # > the TP=2 capacity
-            target = _same_targets(64, 20)
-            m["tp2_tokens"] = _expect_error(
-                ValueError, lambda: flsce(torch.randn(20, 16), torch.randn(32, 16), target, tp2), "max_tokens"
-            )
-            _case(tp2, lead=(8,), hidden=16, vocab=64, seed=8)
-        finally:
-            finalize()
-        return m
-
-    return _sections(rank, [("unconfigured", unconfigured), ("configured", configured)])
+    }
+    _case(tp2, lead=(8,), hidden=16, vocab=64, seed=8)
+    return m
 
 
 @cpu_variant
 def test_tp4_and_tp2_groups_side_by_side() -> None:
-    results = run_workers(_world4_cpu, 4, env=CPU_ENV, timeout=600)
-    _section(results, "unconfigured")
-    msgs = _section(results, "configured")
-    assert msgs[0] == msgs[1] and msgs[2] == msgs[3], msgs
+    run_side_by_side(_unconfigured_side_by_side, _configured_side_by_side, hidden_size=16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -676,10 +598,4 @@ def _world2_gpu(rank: int, world: int) -> dict[str, object]:
     return _sections(rank, [("nccl", nccl), ("nvshmem", native)])
 
 
-@pytest.mark.multigpu(2)
-def test_gpu_tp2_real_sizes_nccl_and_nvshmem() -> None:
-    # Bounded well below a CI step's limit, so that a slow run fails here with each rank's section timings.
-    results = run_workers(_world2_gpu, 2, backend="nccl", env=GPU_ENV, timeout=110)
-    _section(results, "nccl")
-    natives = _section(results, "nvshmem")
-    assert natives == [True, True], f"configure(flsce=...) must bring NVSHMEM up on 2 x H200, got {natives}"
+test_gpu_tp2_real_sizes_nccl_and_nvshmem = gpu_tp2_test(_world2_gpu)
