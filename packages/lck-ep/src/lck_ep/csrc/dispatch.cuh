@@ -288,7 +288,7 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
 // The expanded maps from the kept rows' routing (one block per local expert j, grid-strided):
 // offsets [L + 1], src_row / slot [M] (-1 on padding), index [N, K] (-1 where the slot is not local).
 // kept_counts are dispatch_recv's kept_per_expert. Entries of expert j are ranked in flat (row, slot)
-// order by a block-wide scan over every entry (eight consecutive entries a thread); the entries of other
+// order by a block-wide scan over every entry (16 consecutive entries a thread); the entries of other
 // experts are skipped.
 struct ExpandMapsArgs {
   const long long* recv_topk_idx;  // [N, K] local expert or -1
@@ -340,7 +340,7 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
   for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < a.num_entries;
        e += static_cast<long long>(gridDim.x) * blockDim.x)
     if (a.recv_topk_idx[e] < 0) a.index[e] = -1;
-  constexpr int kPer = 8;
+  constexpr int kPer = 16;
   const long long chunk = static_cast<long long>(blockDim.x) * kPer;
   for (int j = blockIdx.x; j < L; j += gridDim.x) {
     long long before = 0;
