@@ -26,3 +26,12 @@ def group() -> Iterator[object]:
             yield dist.group.WORLD
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_ep_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``EP_*`` knob unset, ``EP_JIT_EXTRA_FLAGS`` too: the generated kernels take their defaults."""
+    from lck_ep.knobs import INT_KNOBS
+
+    for name in [k.name for k in INT_KNOBS] + ["EP_HYBRID_KERNEL", "EP_JIT_EXTRA_FLAGS"]:
+        monkeypatch.delenv(name, raising=False)

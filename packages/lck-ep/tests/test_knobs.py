@@ -110,9 +110,7 @@ def test_direct_construction_is_validated() -> None:
         EpKnobs(hybrid_kernel="fast")
 
 
+@pytest.mark.usefixtures("no_ep_knobs")
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in NAMES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("EP_JIT_EXTRA_FLAGS", raising=False)
     monkeypatch.setenv("EP_MIN_SUB_TOKENS", "5")
     assert read_knobs().defines() == {"EP_MIN_SUB_TOKENS": 5}

@@ -85,18 +85,6 @@ GPU_CASES = [
 ]
 
 
-def _env_clean(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "EP_NUM_SUB_PARTS",
-        "EP_MIN_SUB_TOKENS",
-        "EP_SM100_MIN_SUB_TOKENS",
-        "EP_NUM_TOPK_IDX_BITS",
-        "EP_HYBRID_KERNEL",
-        "EP_JIT_EXTRA_FLAGS",
-    ):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.gpu
 @pytest.mark.nvcc
 @pytest.mark.parametrize(
@@ -104,10 +92,10 @@ def _env_clean(monkeypatch: pytest.MonkeyPatch) -> None:
     # every case whose expert indices fit the index width (wider problems are refused, tested below)
     [(bits, *case) for bits in (64, 32, 16, 8) for case in GPU_CASES if case[2] <= 2 ** (bits - 1)],
 )
+@pytest.mark.usefixtures("no_ep_knobs")
 def test_kernel_equals_torch_layout_bit_for_bit(bits, t, k, e, r, monkeypatch) -> None:
     from lck_ep.layout import layout_kernel
 
-    _env_clean(monkeypatch)
     if bits != 64:
         monkeypatch.setenv("EP_NUM_TOPK_IDX_BITS", str(bits))
     for kind in KINDS:
@@ -130,12 +118,12 @@ def test_kernel_equals_torch_layout_bit_for_bit(bits, t, k, e, r, monkeypatch) -
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
-def test_kernel_writes_every_mask_element_and_adds_into_counts(monkeypatch) -> None:
+@pytest.mark.usefixtures("no_ep_knobs")
+def test_kernel_writes_every_mask_element_and_adds_into_counts() -> None:
     """Launch the built kernel directly with a poisoned mask and nonzero counts."""
     from lck_ep.jit import build_layout_kernel
     from lck_runtime.jit import I32
 
-    _env_clean(monkeypatch)
     t, k, e, r = 1000, 4, 32, 8
     idx = route("minus_one", t, k, e, r, torch.Generator().manual_seed(7)).cuda()
     kernel = build_layout_kernel()
@@ -156,10 +144,10 @@ def test_kernel_writes_every_mask_element_and_adds_into_counts(monkeypatch) -> N
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
-def test_kernel_launch_has_no_host_sync(monkeypatch) -> None:
+@pytest.mark.usefixtures("no_ep_knobs")
+def test_kernel_launch_has_no_host_sync() -> None:
     from lck_ep.layout import layout_kernel
 
-    _env_clean(monkeypatch)
     idx = route("balanced", 4096, 8, 64, 8, torch.Generator().manual_seed(3)).cuda()
     layout_kernel(idx, 64, 8)  # build and load outside the checked region
     torch.cuda.synchronize()
@@ -173,11 +161,11 @@ def test_kernel_launch_has_no_host_sync(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
+@pytest.mark.usefixtures("no_ep_knobs")
 def test_kernel_refuses_what_it_cannot_hold(monkeypatch) -> None:
     from lck_ep.knobs import KnobError
     from lck_ep.layout import layout_kernel
 
-    _env_clean(monkeypatch)
     idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="shared memory"):
         layout_kernel(idx, 16384, 2)
@@ -231,21 +219,21 @@ def _layout_on_each_gpu(rank: int, world: int) -> list[str]:
 
 @pytest.mark.multigpu(2)
 @pytest.mark.nvcc
-def test_kernel_equals_torch_layout_on_two_gpus(monkeypatch) -> None:
+@pytest.mark.usefixtures("no_ep_knobs")
+def test_kernel_equals_torch_layout_on_two_gpus() -> None:
     from lck_runtime.testing import run_workers
 
-    _env_clean(monkeypatch)
     outs = run_workers(_layout_on_each_gpu, 2, backend="nccl", timeout=600)
     assert outs == [[], []], outs
 
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
-def test_kernel_layout_two_processes_share_one_gpu(monkeypatch) -> None:
+@pytest.mark.usefixtures("no_ep_knobs")
+def test_kernel_layout_two_processes_share_one_gpu() -> None:
     """The two-GPU test's worker with both ranks on one GPU (gloo between them): two processes JIT-load and
     launch the kernel side by side and their counts agree across ranks; runs where one GPU is lent."""
     from lck_runtime.testing import run_workers
 
-    _env_clean(monkeypatch)
     outs = run_workers(_layout_on_each_gpu, 2, backend="gloo", timeout=600)
     assert outs == [[], []], outs
