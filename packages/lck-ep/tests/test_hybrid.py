@@ -438,3 +438,94 @@ def test_hybrid_sub_part_sweep_debug_reorder_and_budget() -> None:
     outs = run_workers(sweep, 4, 2, seed, timeout=2 * TIMEOUT, env=_gpu_env(4))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
+
+
+# ------------------------------------------------------------------------------------- the protocol, simulated
+
+
+def _simulate(
+    world: int, hosts: int, tokens: list[int], topk: int, channels: int, parts: int, seed: int
+) -> None:
+    """The hybrid dispatch and combine as the kernels run them (host streams, channels, sub-parts at fixed
+    staging offsets, forwarding with header base slots plus a running count, relaying, per-channel puts),
+    with puts landing in a random order; checks that every row ends where the native receiver reads it."""
+    rng = random.Random(seed)
+    g, e_per_rank = world // hosts, 2
+    experts = e_per_rank * world
+    row, hb, subs, min_sub = 1, header_bytes(g), 2, 1
+    cap = max(tokens)
+    q = -(-cap // channels)
+    routes = [[rng.sample(range(-1, experts), topk) for _ in range(n)] for n in tokens]
+    mask = [
+        [[any(0 <= e and e // e_per_rank == d for e in r) for d in range(world)] for r in rs] for rs in routes
+    ]
+    regions: dict[tuple[int, int], dict[int, int]] = {}  # (dest, src) -> {slot: token}
+    counts: dict[tuple[int, int], int] = {}
+    puts = []  # (forwarder, area, channel, sub-part, [(token, dest bits)], base slots)
+    for m in range(world):
+        host = m // g
+        excl = [[sum(mask[m][u][d] for u in range(t)) for d in range(world)] for t in range(tokens[m])]
+        for d in range(host * g, (host + 1) * g):  # scale-up: straight to the destination
+            for t in range(tokens[m]):
+                if mask[m][t][d]:
+                    regions.setdefault((d, m), {})[excl[t][d]] = t
+            counts[(d, m)] = sum(mask[m][t][d] for t in range(tokens[m]))
+        for h in range(hosts):
+            if h == host:
+                continue
+            stream = [t for t in range(tokens[m]) if any(mask[m][t][h * g : (h + 1) * g])]
+            b = forwarder(m, h, g)
+            area = host if host < h else host - 1
+            for c in range(channels):
+                lo, hi = channel_range(len(stream), c, channels)
+                for sp in channel_sub_parts(hi - lo, q, parts, subs, min_sub, row, hb):
+                    rows = stream[lo + sp.first : lo + sp.first + sp.rows]
+                    base = [excl[rows[0]][h * g + i] if rows else 0 for i in range(g)]
+                    bits = [[mask[m][t][h * g + i] for i in range(g)] for t in rows]
+                    puts.append((b, area, c, sp, m, list(zip(rows, bits)), base))
+    rng.shuffle(puts)  # the unordered pair: sub-parts land, and are forwarded, in any order
+    for b, _, _, _, src, rows, base in puts:
+        run = [0] * g
+        for t, bits in rows:  # one warp per sub-part, rows in order, a running count per rank of the host
+            for i in range(g):
+                if bits[i]:
+                    d = (b // g) * g + i
+                    regions.setdefault((d, src), {})[base[i] + run[i]] = t
+                    run[i] += 1
+                    counts[(d, src)] = counts.get((d, src), 0) + 1
+    for d in range(world):
+        for s in range(world):
+            want = [t for t in range(tokens[s]) if mask[s][t][d]]
+            got = regions.get((d, s), {})
+            assert counts.get((d, s), 0) == len(want), (d, s)
+            assert [got.get(i) for i in range(len(want))] == want, (d, s, got, want)
+    # combine: each destination's partial rows for a source, in its received order, relayed on the
+    # destination's host and put per channel into the source's region for that destination
+    back: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    for d in range(world):
+        for s in range(world):
+            recv = [t for t in range(tokens[s]) if mask[s][t][d]]  # d's rows from s, s's token order
+            if s // g == d // g:
+                back[(s, d)] = {i: (d, t) for i, t in enumerate(recv)}
+                continue
+            relay = recv  # into forwarder (host of d, local index of s): (area, local(d)) block, row i
+            for c in range(channels):
+                lo, hi = channel_range(len(relay), c, channels)
+                for i in range(lo, hi):
+                    back.setdefault((s, d), {})[i] = (d, relay[i])
+    for s in range(world):
+        for t in range(tokens[s]):
+            for d in range(world):
+                if mask[s][t][d]:
+                    slot = sum(mask[s][u][d] for u in range(t))
+                    assert back[(s, d)][slot] == (d, t)
+
+
+@pytest.mark.parametrize(("world", "hosts"), [(4, 2), (8, 2), (8, 4), (6, 3)])
+@pytest.mark.parametrize("channels", [1, 3, 8])
+def test_protocol_simulated_puts_in_any_order(world: int, hosts: int, channels: int) -> None:
+    rng = random.Random(world * 100 + hosts * 10 + channels)
+    for trial in range(3):
+        tokens = [rng.randint(0, 12) for _ in range(world)]
+        tokens[0] = max(tokens[0], 1)
+        _simulate(world, hosts, tokens, rng.randint(1, 3), channels, rng.randint(1, 4), trial)
