@@ -13,6 +13,7 @@ every rank before each token (``excl [T, W]``, the first send slot a sub-part he
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from typing import Any
@@ -79,6 +80,16 @@ class HybridEp(NativeEp):
         with _LOCK:
             _STATES[id(ctx)] = state
         return state
+
+    @property
+    def signature(self) -> int:
+        """The kernel pair and geometry as one int (the Buffer's construction agreement compares it across
+        ranks: ranks with different EP_* hybrid settings would run different protocols)."""
+        plan = self._plans[None]
+        text = repr(
+            (self.knobs.hybrid_kernel, sorted(self.knobs.defines().items()), plan.channels, plan.parts)
+        )
+        return 2 + int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
 
     def plan(self, num_sms: int | None) -> HybridPlan:
         got = self._plans.get(num_sms)

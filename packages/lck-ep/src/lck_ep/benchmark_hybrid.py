@@ -146,10 +146,12 @@ def main_hybrid(args: Any) -> int:
     from lck_runtime.benchmarking import bar_plot, gpu_slug, write_results
     from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, run_workers, shared_gpu_env
 
-    pes, hosts = args.pes, args.virtual_hosts
-    if not torch.cuda.is_available() or pes is None or hosts < 2 or pes % hosts:
+    hosts = args.virtual_hosts
+    pes = args.pes if args.pes is not None else 2 * hosts
+    if not torch.cuda.is_available() or hosts < 2 or pes % hosts or not 2 <= pes <= 64:
         print(
-            "lck bench ep --virtual-hosts H: needs a CUDA GPU, --pes N and H >= 2 dividing N", file=sys.stderr
+            "lck bench ep --virtual-hosts H [--pes N]: needs a CUDA GPU, H >= 2 dividing N (default 2 H)",
+            file=sys.stderr,
         )
         return 2
     env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
