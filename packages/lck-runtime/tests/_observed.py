@@ -22,3 +22,13 @@ def per_rank(outs: list[Any]) -> Iterator[tuple[Any, str]]:
     """Each rank's observations, with ``'rank r: {observations}'`` for the assertions to print."""
     for rank, o in enumerate(outs):
         yield o, f"rank {rank}: {o}"
+
+
+def same_text(outs: list[dict[str, Any]], key: str, prefix: str) -> str:
+    """The one text every rank recorded under ``key`` (collective errors agree before they raise); it
+    starts with ``prefix``."""
+    texts = {o.get(key) for o in outs}
+    assert len(texts) == 1, (key, texts)
+    text = texts.pop()
+    assert text is not None and text.startswith(prefix), (key, text)
+    return text

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _observed import same_text
 
 from lck_runtime.testing import run_workers
 
@@ -119,10 +120,7 @@ def test_ranks_must_agree_on_the_opt_in() -> None:
         ),
         ("bad value", "ValueError: configure: LCK_NVSHMEM_SHARED_GPUS='on': expected 0 or 1"),
     ):
-        texts = {o.get(key) for o in outs}
-        assert len(texts) == 1, (key, texts)
-        got = texts.pop()
-        assert got is not None and got.startswith(want), (key, got)
+        same_text(outs, key, want)
     assert [o["configured after"] for o in outs] == [False, False]
     assert [o["agreed"] for o in outs] == [True, True]
 
@@ -148,12 +146,11 @@ def _limited(rank: int, world: int) -> dict[str, Any]:
 
 def test_limited_mode_is_refused_before_any_team() -> None:
     outs = run_workers(_limited, 2, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "60"})
-    texts = {o.get("error") for o in outs}
-    assert len(texts) == 1, texts
-    text = texts.pop()
-    assert text is not None and text.startswith(
-        "RuntimeError: configure: NVSHMEM came up in its limited several-PEs-per-GPU mode on bootstrap ranks [1]"
-    ), text
+    text = same_text(
+        outs,
+        "error",
+        "RuntimeError: configure: NVSHMEM came up in its limited several-PEs-per-GPU mode on bootstrap ranks [1]",
+    )
     assert "restart them under an MPS server" in text, text
     for o in outs:
         assert o["calls"] == [], o["calls"]  # no team split, no allocation, no finalize
