@@ -278,14 +278,18 @@ def test_both_pairs_compile_for_hopper_and_blackwell(variant: str) -> None:
 
     from lck_ep.hybrid import compile_hybrid_kernels
 
+    seen: set[str] = set()
     for knobs in (
         EpKnobs(hybrid_kernel=variant),
         EpKnobs(hybrid_kernel=variant, num_sub_parts=4, min_sub_tokens=8),
+        EpKnobs(hybrid_kernel=variant, num_sub_parts=1, sm100_min_sub_tokens=32),
     ):
         for arch in ("sm_90a", "sm_100a"):
             paths = compile_hybrid_kernels(arch, knobs)
             assert set(paths) == {f"ep_hybrid_dispatch_{variant}", f"ep_hybrid_combine_{variant}"}
             assert all(Path(p).is_file() for p in paths.values())
+            seen |= set(paths.values())
+    assert len(seen) == 3 * 2 * 2  # every knob set and architecture is its own cache entry
 
 
 @pytest.mark.nvcc
