@@ -189,3 +189,35 @@ def sweep(rank: int, world: int, num_hosts: int, seed: int) -> list[str]:
     except Exception:
         errors.append(f"rank {rank} raised:\n{traceback.format_exc()}")
     return errors
+
+
+def stop(rank: int, world: int, num_hosts: int, timeout_s: float) -> dict[str, Any]:
+    """The last rank never calls; the others' sync-free dispatch must give up within ``timeout_s`` (in the
+    hybrid kernels' waits or the native receiver's), naming that rank."""
+    import time
+
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    configure(world, num_hosts, 16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(
+        dist.group.WORLD, 16, 64, 2, E_PER_RANK * world, sync_free=True, device=dev, timeout_s=timeout_s
+    )
+    out: dict[str, Any] = {"backend": buf.backend, "state": type(buf._native).__name__}
+    dist.barrier()
+    if rank != world - 1:
+        x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
+        idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
+        t0 = time.perf_counter()
+        buf.dispatch(x, idx)
+        try:
+            buf.check_errors()
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.perf_counter() - t0
+    dist.barrier()
+    L.finalize()
+    return out

@@ -533,3 +533,18 @@ def test_protocol_simulated_puts_in_any_order(world: int, hosts: int, channels: 
         tokens = [rng.randint(0, 12) for _ in range(world)]
         tokens[0] = max(tokens[0], 1)
         _simulate(world, hosts, tokens, rng.randint(1, 3), channels, rng.randint(1, 4), trial)
+
+
+@pytest.mark.gpu
+def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound() -> None:
+    from _hybrid_worker import stop
+
+    _need(4)
+    bound = 2.0
+    outs = run_workers(stop, 4, 2, bound, timeout=TIMEOUT, env=_gpu_env(4))
+    assert {(o["backend"], o["state"]) for o in outs} == {("nvshmem", "HybridEp")}
+    for r, o in enumerate(outs[:-1]):
+        err = o.get("error", "")
+        assert err.startswith("NativeTimeoutError"), (r, o)
+        assert "group rank 3" in err, err
+        assert o["seconds"] < bound + 15, o
