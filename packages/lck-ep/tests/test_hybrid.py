@@ -293,7 +293,7 @@ def test_both_pairs_compile_for_hopper_and_blackwell(variant: str) -> None:
 
 
 @pytest.mark.nvcc
-def test_warmup_lists_the_hybrid_pair(capsys: Any, monkeypatch: Any) -> None:
+def test_warmup_lists_the_hybrid_pair(capsys: Any, monkeypatch: Any, no_ep_knobs: None) -> None:
     from lck_ep.cli import main
 
     monkeypatch.setenv("EP_HYBRID_KERNEL", "ordered")
@@ -444,7 +444,7 @@ def test_hybrid_sub_part_sweep_debug_reorder_and_budget() -> None:
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
 
-# ------------------------------------------------------------------------------------- the protocol, simulated
+# ------------------------------------------------------------------------------- the protocol, simulated
 
 
 def _simulate(
