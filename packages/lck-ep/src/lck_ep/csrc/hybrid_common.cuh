@@ -435,11 +435,18 @@ __device__ inline void dispatch(const DispatchArgs& a) {
         held = 0;
       };
       while (true) {
-        const int head = ring_head;
+        // One lane reads the hand-off word for the warp: the branch below must be warp-uniform (puts and
+        // their signals are warp-collective).
+        int head = 0;
+        if (lane == 0) {
+          head = ring_head;
+          __threadfence_block();
+        }
+        head = __shfl_sync(0xffffffffu, head, 0);
+        __syncwarp();  // orders lane 0's observation before the other lanes' reads of the ring and the pack
         const bool finished = (head >> 30) & 1;
         const int avail = head & ((1 << 30) - 1);
         if (issued < avail) {
-          __threadfence_block();
           const Desc dsc = ring[issued % kRing];
           __syncwarp();
           if (a.debug_reorder && !kOrdered) {
@@ -547,8 +554,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
                                 w2 == pack_w2(cnt, j, k, static_cast<int>(w1) > pe);
             if (!hdr_ok) report(a.status, 3, kPhaseHeader, src, w2, pack_w2(cnt, j, k, static_cast<int>(w1) > pe), 0);
           }
-          __syncwarp();
-          if (failed(a.status)) continue;
+          if (__any_sync(0xffffffffu, failed(a.status))) continue;  // warp-uniform: ballots follow
           int run = 0;
           for (int r = 0; r < cnt; ++r) {
             const uint8_t* srow = hdr + a.hb + static_cast<long long>(r) * row;
