@@ -19,7 +19,10 @@ needs_triton_device = pytest.mark.skipif(
 )
 gpu = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# torch.compile backends of the compile tests: aot_eager runs the CPU variant, inductor the GPU one.
+# The compile tests' backends. Under TRITON_INTERPRET the ops are opaque custom ops and Inductor would have
+# to build C++ for CPU tensors (a minute per graph on CI machines); "aot_eager" runs the same Dynamo +
+# AOTAutograd tracing, functionalisation and fake-tensor shape propagation. On the GPU the ops are
+# triton_ops and Inductor compiles the real graph.
 COMPILE_BACKENDS = [
     pytest.param(
         "aot_eager", marks=pytest.mark.skipif(not interpreting(), reason="CPU variant"), id="aot_eager"

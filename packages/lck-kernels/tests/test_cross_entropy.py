@@ -763,10 +763,6 @@ def test_opcheck(shape):
     )
 
 
-# Under TRITON_INTERPRET the ops are opaque custom ops ("aot_eager" runs Dynamo + AOTAutograd + fake tensors
-# without building C++ for CPU tensors); on the GPU they are triton_ops and Inductor compiles the real graph.
-
-
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_torch_compile_fullgraph(backend, reduction):

@@ -303,11 +303,6 @@ def test_opcheck(shape):
     torch.library.opcheck(torch.ops.lck.rms_norm_bwd_.default, (dy.clone(), x, w, rstd, 0.5, "none"))
 
 
-# Under TRITON_INTERPRET the ops are opaque custom ops and Inductor would have to build C++ for CPU tensors
-# (a minute per graph on CI machines); "aot_eager" runs the same Dynamo + AOTAutograd tracing, functionalisation
-# and fake-tensor shape propagation. On the GPU the ops are triton_ops and Inductor compiles the real graph.
-
-
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 @pytest.mark.parametrize("in_place", [False, True])
 def test_torch_compile_fullgraph(backend, in_place):

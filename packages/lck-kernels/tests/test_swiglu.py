@@ -142,11 +142,6 @@ def test_opcheck(shape):
     torch.library.opcheck(torch.ops.lck.swiglu_bwd.default, (a, b, dc))
 
 
-# Under TRITON_INTERPRET the ops are opaque custom ops and Inductor would have to build C++ for CPU tensors
-# (a minute per graph on CI machines); "aot_eager" runs the same Dynamo + AOTAutograd tracing, functionalisation
-# and fake-tensor shape propagation. On the GPU the ops are triton_ops and Inductor compiles the real graph.
-
-
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(backend):
     torch._dynamo.reset()

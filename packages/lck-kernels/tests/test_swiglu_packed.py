@@ -202,11 +202,6 @@ def test_opcheck(shape):
     torch.library.opcheck(torch.ops.lck.swiglu_packed_bwd_.default, (y.clone(), dout))
 
 
-# Under TRITON_INTERPRET the ops are opaque custom ops and Inductor would have to build C++ for CPU tensors
-# (a minute per graph on CI machines); "aot_eager" runs the same Dynamo + AOTAutograd tracing, functionalisation
-# and fake-tensor shape propagation. On the GPU the ops are triton_ops and Inductor compiles the real graph.
-
-
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 @IN_PLACE
 def test_torch_compile_fullgraph(backend, in_place):

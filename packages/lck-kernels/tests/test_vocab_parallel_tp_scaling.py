@@ -69,8 +69,8 @@ from typing import Any
 import pytest
 import torch
 from _tp_helpers import GPU_ENV as _TP_GPU_ENV
-from _tp_helpers import INTERPRET, _expect_error, _section, _sections, _timed
-from test_vocab_parallel_fused_linear_scaled_cross_entropy import _case, _same_messages
+from _tp_helpers import INTERPRET, _expect_error, _section, _sections, _timed, same_messages
+from test_vocab_parallel_fused_linear_scaled_cross_entropy import _case
 
 from lck_runtime.testing import SHARED_GPU_SKIP, mps_daemon_running, run_workers, shared_gpu_env
 
@@ -216,7 +216,7 @@ def _check(results: list[dict[str, object]], world: int, native: bool | None) ->
         assert o["contexts"] == (got, world, tuple(range(world)), got, h, half), (
             f"rank {rank}: {o['contexts']}"
         )
-    _same_messages([{"capacity": o["capacity"]} for o in outs])
+    same_messages([{"capacity": o["capacity"]} for o in outs])
 
 
 @pytest.mark.skipif(
