@@ -44,7 +44,7 @@ from lck_runtime.configure_checks import (
     resolve_device,
 )
 from lck_runtime.contexts import FlsceContext, MoEContext
-from lck_runtime.groups import GroupEntry, membership
+from lck_runtime.groups import GroupEntry, Partition, membership
 from lck_runtime.state import STATE, RuntimeState
 
 __all__ = ["configure", "domain_of", "is_native", "resolve_device"]
@@ -193,48 +193,12 @@ def configure(
         part = setup.flsce_partition
         team = st.teams.ensure(part, domain.ranks, domain.local_rank, nvs)
         if setup.new_flsce:
-            if st.flsce_reserved is None:
-                st.flsce_reserved = req.flsce
-            scratch = st.pool.ensure_scratch(st.flsce_reserved.capacity, nvs)
-            p2p_buffers = None
-            tag = flsce_tag(part)
-            if f"{tag}.p2p" in plan:
-                p2p_buffers = (
-                    st.pool.allocate(plan[f"{tag}.p2p"], nvs),
-                    st.pool.allocate(plan[f"{tag}.p2p_flags"], nvs),
-                    st.pool.allocate(plan[f"{tag}.p2p_ll"], nvs),
-                    p2p.slot_floats(part.size, st.flsce_reserved.capacity),
-                )
-            st.flsce[part.key] = FlsceContext(
-                scratch=scratch,
-                p2p_buffers=p2p_buffers,
-                group=_group_for(st, req, req.flsce.group),
-                team=team,
-                config=req.flsce,
-                device=st.device,
-                native=st.native,
-                label=_label(req.flsce.group),
-            )
+            st.flsce[part.key] = _new_flsce_context(st, req, part, team, plan, nvs)
     if req.moe is not None and setup.moe_partition is not None:
         part = setup.moe_partition
         team = st.teams.ensure(part, domain.ranks, domain.local_rank, nvs)
         if setup.new_moe:
-            if st.moe_reserved is None:
-                st.moe_reserved = req.moe
-            tag = moe_tag(part)
-            workspace = st.pool.allocate(plan[f"{tag}.workspace"], nvs)
-            signals = st.pool.allocate(plan[f"{tag}.signals"], nvs)
-            st.moe[part.key] = MoEContext(
-                gpus_per_host=setup.moe_gpus_per_host,
-                workspace=workspace,
-                signals=signals,
-                group=_group_for(st, req, req.moe.group),
-                team=team,
-                config=req.moe,
-                device=st.device,
-                native=st.native,
-                label=_label(req.moe.group),
-            )
+            st.moe[part.key] = _new_moe_context(st, req, setup, part, team, plan, nvs)
     if nvs is not None and allocated:
         # Peers write signals into this rank's fresh (zeroed) buffers as soon as they start: nobody
         # leaves configure before every rank's zeroing has finished.
@@ -290,6 +254,55 @@ def _attach_p2p(st: RuntimeState, nvs: Any, local_rank: int) -> tuple[list[Any],
         except Exception as exc:
             return fresh, f"bootstrap rank {local_rank}: {type(exc).__name__}: {exc}"
     return fresh, None
+
+
+def _new_flsce_context(
+    st: RuntimeState, req: Request, part: Partition, team: Any, plan: dict[str, Any], nvs: Any
+) -> FlsceContext:
+    """The context of a new FLSCE partition: the shared scratch (sized by the first reservation) and, where
+    planned, its one-shot p2p buffers."""
+    if st.flsce_reserved is None:
+        st.flsce_reserved = req.flsce
+    scratch = st.pool.ensure_scratch(st.flsce_reserved.capacity, nvs)
+    p2p_buffers = None
+    tag = flsce_tag(part)
+    if f"{tag}.p2p" in plan:
+        p2p_buffers = (
+            st.pool.allocate(plan[f"{tag}.p2p"], nvs),
+            st.pool.allocate(plan[f"{tag}.p2p_flags"], nvs),
+            st.pool.allocate(plan[f"{tag}.p2p_ll"], nvs),
+            p2p.slot_floats(part.size, st.flsce_reserved.capacity),
+        )
+    return FlsceContext(scratch=scratch, p2p_buffers=p2p_buffers, **_context_fields(st, req, req.flsce, team))
+
+
+def _new_moe_context(
+    st: RuntimeState, req: Request, setup: Setup, part: Partition, team: Any, plan: dict[str, Any], nvs: Any
+) -> MoEContext:
+    """The context of a new MoE partition: its own workspace and signal words."""
+    if st.moe_reserved is None:
+        st.moe_reserved = req.moe
+    tag = moe_tag(part)
+    return MoEContext(
+        gpus_per_host=setup.moe_gpus_per_host,
+        workspace=st.pool.allocate(plan[f"{tag}.workspace"], nvs),
+        signals=st.pool.allocate(plan[f"{tag}.signals"], nvs),
+        **_context_fields(st, req, req.moe, team),
+    )
+
+
+def _context_fields(
+    st: RuntimeState, req: Request, config: FusedLinearCrossEntropyConfig | MoEConfig, team: Any
+) -> dict[str, Any]:
+    """What every context records besides its own buffers."""
+    return dict(
+        group=_group_for(st, req, config.group),
+        team=team,
+        config=config,
+        device=st.device,
+        native=st.native,
+        label=_label(config.group),
+    )
 
 
 def _label(name: str | None) -> str:
