@@ -103,7 +103,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     mps-restart) echo quit | nvidia-cuda-mps-control; sleep 2; nvidia-cuda-mps-control -d; sleep 1; echo get_server_list | nvidia-cuda-mps-control ;;
     # A script carried beside the tree (e.g. a probe in .device-src): python3 $SCRIPT $SCRIPT_ARGS, its OUT = the work folder.
     script) OUT=$W timeout "$limit" python3 "${SCRIPT:?}" ${SCRIPT_ARGS:-} ;;
-    megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 -ra -q -p no:cacheprovider --tb=short ;;
+    megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 ${KSEL:+-k "$KSEL"} -ra -q -p no:cacheprovider --tb=short ;;
     moe) timeout "$limit" python3 -m pytest packages/lck-ep/tests/test_moe.py -m gpu -ra -q -p no:cacheprovider --tb=short ;;
     moe-bench) timeout "$limit" python3 -m lck_ep.moe.benchmark --out "$W/results-moe" ;;
     *) echo "unknown stage $stage"; return 2 ;;
