@@ -23,6 +23,23 @@
 
 namespace lck_ep {
 
+// One count per warp in warp_base[0, nwarps) becomes its exclusive prefix sum over the warps, and
+// warp_base[nwarps] the block's total: between two barriers, so every warp's count is in before thread 0
+// scans and every warp reads the result after.
+__device__ __forceinline__ void scan_warp_counts(int* warp_base, int nwarps) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int w = 0; w < nwarps; ++w) {
+      const int n = warp_base[w];
+      warp_base[w] = acc;
+      acc += n;
+    }
+    warp_base[nwarps] = acc;
+  }
+  __syncthreads();
+}
+
 // Exclusive rank of each (token, destination) pair among the destination's tokens, in token order:
 // send_slot[t, d] = #{t' < t : mask[t', d]} where mask[t, d], else -1 (lck_ep.reference.send_slots).
 // One block per destination (grid-strided), a ballot scan over the tokens in chunks of the block.
@@ -36,17 +53,7 @@ __device__ inline void send_slots(const bool* mask, int num_tokens, int num_rank
       const bool hit = t < num_tokens && mask[static_cast<long long>(t) * num_ranks + d];
       const unsigned ballot = __ballot_sync(0xffffffffu, hit);
       if (lane == 0) warp_base[warp] = __popc(ballot);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int w = 0; w < nwarps; ++w) {
-          const int n = warp_base[w];
-          warp_base[w] = acc;
-          acc += n;
-        }
-        warp_base[nwarps] = acc;
-      }
-      __syncthreads();
+      scan_warp_counts(warp_base, nwarps);
       if (t < num_tokens)
         slot[static_cast<long long>(t) * num_ranks + d] =
             hit ? found + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
@@ -371,17 +378,7 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
         if (lane >= o) incl += y;
       }
       if (lane == 31) warp_base[warp] = incl;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int w = 0; w < nwarps; ++w) {
-          const int n = warp_base[w];
-          warp_base[w] = acc;
-          acc += n;
-        }
-        warp_base[nwarps] = acc;
-      }
-      __syncthreads();
+      scan_warp_counts(warp_base, nwarps);
       long long r = base + found + warp_base[warp] + incl - mine;
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {

@@ -167,22 +167,31 @@ __device__ __forceinline__ void finish_receive(unsigned int* done, long long* my
   });
 }
 
+// Thread m < num_ranks runs wait(m) (false: the wait failed) unless an earlier kernel of the context failed;
+// true on every thread of the block when every wait succeeded.
+template <typename Wait>
+__device__ __forceinline__ bool wait_each_member(int num_ranks, const long long* status, Wait wait) {
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = !failed(status);
+  __syncthreads();
+  if (ok && threadIdx.x < num_ranks) {
+    if (!wait(static_cast<int>(threadIdx.x))) ok = false;
+  }
+  __syncthreads();
+  return ok;
+}
+
 // Token-row counts of the W sources, read from the arrival words once they carry this operation, and
 // their exclusive prefix sums; shared by every warp of the block. False when a wait failed.
 __device__ inline bool gather_arrivals(const long long* my_signals, int num_ranks, int word, int shift,
                                        unsigned long long op, long long* counts, long long* starts,
                                        long long* status, long long phase, unsigned long long timeout_ns) {
-  __shared__ bool ok;
-  if (threadIdx.x == 0) ok = !failed(status);
-  __syncthreads();
-  if (ok && threadIdx.x < num_ranks) {
-    const unsigned long long* w =
-        reinterpret_cast<const unsigned long long*>(my_signals + threadIdx.x * kSignalWords + word);
-    const unsigned long long v = wait_for(w, shift, op, true, status, phase, threadIdx.x, timeout_ns);
-    if (v == ~0ull) ok = false;
-    counts[threadIdx.x] = shift ? static_cast<long long>(v & 0xffffffffull) : 0;
-  }
-  __syncthreads();
+  const bool ok = wait_each_member(num_ranks, status, [&](int s) {
+    const unsigned long long* w = reinterpret_cast<const unsigned long long*>(my_signals + s * kSignalWords + word);
+    const unsigned long long v = wait_for(w, shift, op, true, status, phase, s, timeout_ns);
+    counts[s] = shift ? static_cast<long long>(v & 0xffffffffull) : 0;
+    return v != ~0ull;
+  });
   if (threadIdx.x == 0 && ok) {
     long long acc = 0;
     for (int s = 0; s < num_ranks; ++s) {
@@ -198,16 +207,11 @@ __device__ inline bool gather_arrivals(const long long* my_signals, int num_rank
 // Wait until every member has finished reading operation op - 1 (its kOpsDone >= op - 1).
 __device__ inline bool wait_peers_free(const long long* const* peer_signals, int num_ranks, unsigned long long op,
                                        long long* status, long long phase, unsigned long long timeout_ns) {
-  __shared__ bool ok;
-  if (threadIdx.x == 0) ok = !failed(status);
-  __syncthreads();
-  if (ok && threadIdx.x < num_ranks) {
+  return wait_each_member(num_ranks, status, [&](int d) {
     const unsigned long long* w =
-        reinterpret_cast<const unsigned long long*>(peer_signals[threadIdx.x] + threadIdx.x * kSignalWords + kOpsDone);
-    if (wait_for(w, 0, op - 1ull, false, status, phase, threadIdx.x, timeout_ns) == ~0ull) ok = false;
-  }
-  __syncthreads();
-  return ok;
+        reinterpret_cast<const unsigned long long*>(peer_signals[d] + d * kSignalWords + kOpsDone);
+    return wait_for(w, 0, op - 1ull, false, status, phase, d, timeout_ns) != ~0ull;
+  });
 }
 
 // The source member of compacted row p: the last s with starts[s] <= p (starts has W + 1 entries).
