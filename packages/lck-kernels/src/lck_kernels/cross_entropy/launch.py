@@ -208,7 +208,7 @@ def _fwd_launch(name: str, n_rows: int, n_cols: int, element_size: int, device: 
     return cfg["grid"], launch
 
 
-def _row_arg(g: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+def row_arg(g: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A per-row upstream gradient as (pointer, row stride): 0-D and expanded tensors have stride 0."""
     if g is None:
         return dummy, 0
@@ -240,9 +240,9 @@ def launch_bwd(
     if n_rows == 0:
         return
     ignore_index, eps, z_scale, scale, softcap = opts.scalars()
-    gl, gl_stride = _row_arg(g_loss, lse)
-    gs, gs_stride = _row_arg(g_lse, lse)
-    ge, ge_stride = _row_arg(g_entropy, lse)
+    gl, gl_stride = row_arg(g_loss, lse)
+    gs, gs_stride = row_arg(g_lse, lse)
+    ge, ge_stride = row_arg(g_entropy, lse)
     if g_entropy is not None and entropy is None:
         raise RuntimeError("launch_bwd: g_entropy needs the saved entropy")  # internal invariant
     flags = (
@@ -277,7 +277,7 @@ def launch_rescale_rows(grad: torch.Tensor, applied: torch.Tensor, g: torch.Tens
     n_rows, n_cols = grad.shape
     if n_rows == 0:
         return
-    g_arg, g_stride = _row_arg(g, applied)
+    g_arg, g_stride = row_arg(g, applied)
     grid, launch = _rescale_rows_launch(n_rows, n_cols, grad.device)
     _run(launch, wrap, grid, grad, grad.stride(0), applied, g_arg, g_stride, n_rows, n_cols)
 

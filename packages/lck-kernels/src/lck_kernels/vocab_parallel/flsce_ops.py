@@ -73,6 +73,40 @@ def _sum_grad_x(tp: TPGroup, grad_x: torch.Tensor, like: torch.Tensor) -> torch.
     return (partial if partial.dtype == like.dtype else partial.to(like.dtype)).view(like.shape)
 
 
+def _grads_by_chunk(tp, x, x2, weight, t, rows, local_vocab, tau, ignore_index, gx, gw, prepare):
+    """Both ops' gradient pass: per chunk ``[a, b)`` of ``rows`` tokens, its logits into one reused buffer,
+    ``prepare(a, b, logits)`` giving the chunk's (lse, entropy, upstream gradients), then ``_chunk_grads``
+    into ``gx[a:b]`` and ``gw``. Returns ``gx`` summed over the group (collective iff ``gx`` is given)."""
+    tokens = x2.shape[0]
+    buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
+    for a in range(0, tokens, rows):
+        b = min(tokens, a + rows)
+        x_c = x2[a:b]
+        logits = torch.mm(x_c, weight.t(), out=buf[: b - a])
+        lse_c, ent_c, gs = prepare(a, b, logits)
+        g_rows = gx[a:b] if gx is not None else None
+        _chunk_grads(
+            tp,
+            logits,
+            x_c,
+            weight,
+            t[a:b],
+            lse_c,
+            ent_c,
+            gs,
+            g_rows,
+            gw,
+            a == 0,
+            local_vocab,
+            tau,
+            ignore_index,
+        )
+    del buf
+    if gw is not None and tokens == 0:
+        gw.zero_()
+    return _sum_grad_x(tp, gx, x) if gx is not None else None
+
+
 @torch.library.custom_op("lck::vp_flsce_fwd", mutates_args=())
 def _vp_flsce_fwd(
     x: torch.Tensor,
@@ -102,9 +136,9 @@ def _vp_flsce_fwd(
     vocab = tp.size * local_vocab
     precompute = reduction != 0 and grad_flags != 0
     rows = chunk_rows(tokens, local_vocab, x.element_size(), chunk_bytes)
-    buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
     if not precompute:
         # All chunks' statistics first, then one all-reduce and one combine for the whole call.
+        buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
         stats = torch.zeros(tokens, tp.size, K.STATS, device=x.device, dtype=torch.float32)
         for a in range(0, tokens, rows):
             b = min(tokens, a + rows)
@@ -123,39 +157,19 @@ def _vp_flsce_fwd(
         gx = torch.empty(tokens, hidden, device=x.device, dtype=x.dtype) if grad_flags & 1 else None
         gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_flags & 2 else None
         stats = torch.empty(rows, tp.size, K.STATS, device=x.device, dtype=torch.float32)
-        for a in range(0, tokens, rows):
-            b = min(tokens, a + rows)
-            x_c, st = x2[a:b], stats[: b - a]
-            logits = torch.mm(x_c, weight.t(), out=buf[: b - a])
+
+        def prepare(a, b, logits):
+            # the chunk's global statistics first: its gradient needs its global LSE
+            st = stats[: b - a]
             st.zero_()
             _stats(tp, logits, t[a:b], st, local_vocab, tau, ignore_index)
             tp.all_reduce_(st.view(-1), "sum")
             out = K.combine(st, t[a:b], ignore_index=ignore_index, label_smoothing=0.0, vocab_size=vocab)
             for full, part in zip((nll, lse, ent), out):
                 full[a:b].copy_(part)
-            gs = (unit[a:b], None, None)
-            g_rows = gx[a:b] if gx is not None else None
-            _chunk_grads(
-                tp,
-                logits,
-                x_c,
-                weight,
-                t[a:b],
-                lse[a:b],
-                ent[a:b],
-                gs,
-                g_rows,
-                gw,
-                a == 0,
-                local_vocab,
-                tau,
-                ignore_index,
-            )
-        del buf
-        if gw is not None and tokens == 0:
-            gw.zero_()
-        if gx is not None:
-            gx = _sum_grad_x(tp, gx, x)
+            return lse[a:b], ent[a:b], (unit[a:b], None, None)
+
+        gx = _grads_by_chunk(tp, x, x2, weight, t, rows, local_vocab, tau, ignore_index, gx, gw, prepare)
     shape = target.shape
     if reduction == 0:
         nll_out = nll.view(shape)
@@ -221,34 +235,13 @@ def _vp_flsce_bwd(
     gx = torch.empty(tokens, hidden, device=x.device, dtype=x.dtype) if need_grad_x else None
     gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_grad_weight else None
     rows = chunk_rows(tokens, local_vocab, x.element_size(), chunk_bytes)
-    buf = torch.empty(rows, local_vocab, device=x.device, dtype=x.dtype) if tokens else None
-    for a in range(0, tokens, rows):
-        b = min(tokens, a + rows)
-        x_c = x2[a:b]
-        logits = torch.mm(x_c, weight.t(), out=buf[: b - a])
-        gs = tuple(None if g is None else g[a:b] for g in flat)
-        g_rows = gx[a:b] if gx is not None else None
-        _chunk_grads(
-            tp,
-            logits,
-            x_c,
-            weight,
-            t[a:b],
-            lse1[a:b],
-            ent1[a:b],
-            gs,
-            g_rows,
-            gw,
-            a == 0,
-            local_vocab,
-            inverse_temperature,
-            ignore_index,
-        )
-    del buf
-    if gw is not None and tokens == 0:
-        gw.zero_()
-    if gx is not None:
-        gx = _sum_grad_x(tp, gx, x)
+
+    def prepare(a, b, logits):
+        return lse1[a:b], ent1[a:b], tuple(None if g is None else g[a:b] for g in flat)
+
+    gx = _grads_by_chunk(
+        tp, x, x2, weight, t, rows, local_vocab, inverse_temperature, ignore_index, gx, gw, prepare
+    )
     return (gx if gx is not None else x.new_empty(0)), (gw if gw is not None else x.new_empty(0))
 
 

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from lck_kernels._common import next_power_of_2, tuned
-from lck_kernels.cross_entropy.launch import ce_launch_config
+from lck_kernels.cross_entropy.launch import ce_launch_config, row_arg
 from lck_kernels.vocab_parallel.kernels import (
     STATS,
     _vp_combine_kernel,
@@ -93,12 +93,6 @@ def combine(
     return loss, lse, entropy
 
 
-def _row_grad_arg(g: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if g is None:
-        return like, 0
-    return g, (g.stride(0) if g.dim() == 1 else 0)
-
-
 def shard_grad(
     logits: torch.Tensor,
     out: torch.Tensor,
@@ -125,9 +119,9 @@ def shard_grad(
         return
     if g_entropy is not None and entropy is None:
         raise ValueError("shard_grad: g_entropy needs the per-row entropy")
-    gl, gl_s = _row_grad_arg(g_loss, lse)
-    gs, gs_s = _row_grad_arg(g_lse, lse)
-    ge, ge_s = _row_grad_arg(g_entropy, lse)
+    gl, gl_s = row_arg(g_loss, lse)
+    gs, gs_s = row_arg(g_lse, lse)
+    ge, ge_s = row_arg(g_entropy, lse)
     cfg = ce_launch_config("cross_entropy_bwd", rows, n_cols, logits.element_size(), logits.device)
     _vp_shard_grad_kernel[cfg["grid"]](
         logits,
