@@ -9,7 +9,8 @@
 #           flce-clocks, ep, ep-bench, tp, runtime-g (single-GPU tests selected by KSEL),
 #           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
 #           demo-moe (lck demo --moe), demo-profile (GPU time of its steps by kernel kind), megatron-moe (the MoE patch's gpu tests),
-#           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon), script ($SCRIPT)
+#           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon), script ($SCRIPT),
+#           pytest ($PYTEST_ARGS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -103,6 +104,8 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     mps-restart) echo quit | nvidia-cuda-mps-control; sleep 2; nvidia-cuda-mps-control -d; sleep 1; echo get_server_list | nvidia-cuda-mps-control ;;
     # A script carried beside the tree (e.g. a probe in .device-src): python3 $SCRIPT $SCRIPT_ARGS, its OUT = the work folder.
     script) OUT=$W timeout "$limit" python3 "${SCRIPT:?}" ${SCRIPT_ARGS:-} ;;
+    # Named tests (node ids or -k/-m options) in $PYTEST_ARGS, in one pytest run.
+    pytest) timeout "$limit" python3 -m pytest ${PYTEST_ARGS:?} -ra -q -p no:cacheprovider --tb=short --durations=15 ;;
     megatron-1) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -n 4 ${KSEL:+-k "$KSEL"} -ra -q -p no:cacheprovider --tb=short ;;
     moe) timeout "$limit" python3 -m pytest packages/lck-ep/tests/test_moe.py -m gpu -ra -q -p no:cacheprovider --tb=short ;;
     moe-bench) timeout "$limit" python3 -m lck_ep.moe.benchmark --out "$W/results-moe" ;;
