@@ -10,16 +10,9 @@ import random
 from typing import Any
 
 import pytest
-import torch
+from _native_gpu import gpu_env, need_gpus
 
-from lck_runtime.testing import (
-    SHARED_GPU_SKIP,
-    SINGLE_HOST_NVSHMEM_ENV,
-    error_text,
-    mps_daemon_running,
-    run_workers,
-    shared_gpu_env,
-)
+from lck_runtime.testing import error_text, run_workers
 
 TIMEOUT = 150
 
@@ -123,32 +116,14 @@ def test_warmup_compiles_every_native_kernel(capsys: Any) -> None:
 # ---------------------------------------------------------------------------------------- GPU: real NVSHMEM
 
 
-def _gpu_env(world: int) -> dict[str, str]:
-    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER"}
-    if torch.cuda.device_count() < world:  # several PEs per GPU: under MPS, each with its share
-        env.update(shared_gpu_env(world, torch.cuda.device_count()))
-    return env
-
-
-def _need(world: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from lck_runtime.toolchain import find_nvcc
-
-    if find_nvcc() is None:
-        pytest.skip("needs nvcc for the native kernels")
-    if torch.cuda.device_count() < world and not mps_daemon_running():
-        pytest.skip(SHARED_GPU_SKIP)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_native_equals_reference_bit_for_bit(world: int) -> None:
     from _native_worker import suite
 
-    _need(world)
+    need_gpus(world)
     seed = random.randrange(1, 2**30)
-    outs = run_workers(suite, world, seed, timeout=300, env=_gpu_env(world))
+    outs = run_workers(suite, world, seed, timeout=300, env=gpu_env(world))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
@@ -157,9 +132,9 @@ def test_native_equals_reference_bit_for_bit(world: int) -> None:
 def test_native_fp8_rows_equal_reference() -> None:
     from _native_worker import fp8
 
-    _need(2)
+    need_gpus(2)
     seed = random.randrange(1, 2**30)
-    outs = run_workers(fp8, 2, seed, timeout=TIMEOUT, env=_gpu_env(2))
+    outs = run_workers(fp8, 2, seed, timeout=TIMEOUT, env=gpu_env(2))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
@@ -169,9 +144,9 @@ def test_native_fp8_rows_equal_reference() -> None:
 def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound(world: int) -> None:
     from _native_worker import stop
 
-    _need(world)
+    need_gpus(world)
     bound = 2.0
-    outs = run_workers(stop, world, bound, timeout=TIMEOUT, env=_gpu_env(world))
+    outs = run_workers(stop, world, bound, timeout=TIMEOUT, env=gpu_env(world))
     assert {o["backend"] for o in outs} == {"nvshmem"}
     for r, o in enumerate(outs[:-1]):
         err = o.get("error", "")
