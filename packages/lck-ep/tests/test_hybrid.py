@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 import pytest
-import torch
+from _native_gpu import gpu_env, need_gpus
 
 from lck_ep.hybrid import (
     SIGNAL_BUDGET,
@@ -33,14 +33,7 @@ from lck_ep.hybrid import (
 from lck_ep.knobs import EpKnobs, KnobError
 from lck_runtime import MoEConfig
 from lck_runtime.symmetric import HYBRID_MAX_CHANNELS, moe_hybrid_area_bytes, moe_workspace_bytes
-from lck_runtime.testing import (
-    SHARED_GPU_SKIP,
-    SINGLE_HOST_NVSHMEM_ENV,
-    error_text,
-    mps_daemon_running,
-    run_workers,
-    shared_gpu_env,
-)
+from lck_runtime.testing import error_text, run_workers
 
 TIMEOUT = 150
 
@@ -360,24 +353,6 @@ def test_selection_and_budget_errors_agree_on_every_rank() -> None:
 # ------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_env(world: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", **(extra or {})}
-    if torch.cuda.device_count() < world:  # several PEs per GPU: under MPS, each with its share
-        env.update(shared_gpu_env(world, torch.cuda.device_count()))
-    return env
-
-
-def _need(world: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from lck_runtime.toolchain import find_nvcc
-
-    if find_nvcc() is None:
-        pytest.skip("needs nvcc for the native kernels")
-    if torch.cuda.device_count() < world and not mps_daemon_running():
-        pytest.skip(SHARED_GPU_SKIP)
-
-
 @pytest.mark.gpu
 def test_hybrid_0_kernels_build_before_the_workers() -> None:
     """Every kernel the GPU tests load (the native receive side, the layout kernel and the hybrid pair, for
@@ -393,7 +368,7 @@ def test_hybrid_0_kernels_build_before_the_workers() -> None:
     from lck_ep.native import compile_native_kernels
     from lck_runtime.jit import detect_arch
 
-    _need(1)
+    need_gpus(1)
     arch = detect_arch()
     jobs = []
     for knobs in all_knobs():
@@ -410,9 +385,9 @@ def test_hybrid_0_kernels_build_before_the_workers() -> None:
 def _suite(world: int, hosts: int, variant: str) -> None:
     from _hybrid_worker import suite
 
-    _need(world)
+    need_gpus(world)
     seed = random.randrange(1, 2**30)
-    env = _gpu_env(world, {"EP_HYBRID_KERNEL": variant})
+    env = gpu_env(world, {"EP_HYBRID_KERNEL": variant})
     outs = run_workers(suite, world, hosts, seed, timeout=TIMEOUT, env=env)
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
@@ -430,9 +405,9 @@ def test_hybrid_sub_part_sweep_debug_reorder_and_budget() -> None:
     pair with its puts held back and issued newest first, then a budget too small refused on every rank."""
     from _hybrid_worker import sweep
 
-    _need(4)
+    need_gpus(4)
     seed = random.randrange(1, 2**30)
-    outs = run_workers(sweep, 4, 2, seed, timeout=2 * TIMEOUT, env=_gpu_env(4))
+    outs = run_workers(sweep, 4, 2, seed, timeout=2 * TIMEOUT, env=gpu_env(4))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
@@ -532,9 +507,9 @@ def test_protocol_simulated_puts_in_any_order(world: int, hosts: int, channels: 
 def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound() -> None:
     from _hybrid_worker import stop
 
-    _need(4)
+    need_gpus(4)
     bound = 2.0
-    outs = run_workers(stop, 4, 2, bound, timeout=TIMEOUT, env=_gpu_env(4))
+    outs = run_workers(stop, 4, 2, bound, timeout=TIMEOUT, env=gpu_env(4))
     assert {(o["backend"], o["state"]) for o in outs} == {("nvshmem", "HybridEp")}
     for r, o in enumerate(outs[:-1]):
         err = o.get("error", "")
