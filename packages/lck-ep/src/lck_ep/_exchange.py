@@ -15,7 +15,7 @@ import torch
 from lck_ep import reference
 from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
-from lck_ep.expanded import build_expanded, expanded_capacity, gather_expanded, reduce_expanded
+from lck_ep.expanded import ExpandedMaps, build_expanded, expanded_capacity, gather_expanded, reduce_expanded
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
 
@@ -70,7 +70,9 @@ def dispatch_synced(
         num_recv_tokens_per_expert=torch.tensor(per_local, dtype=torch.int32, device=buf.device),
         num_recv_tokens_per_expert_list=per_local,
     )
-    handle = _handle(buf, plan, layout, got, fields, mode)
+    handle = fresh_handle(
+        buf, plan, layout, (got.recv_src_rank, got.recv_src_idx, got.recv_topk_idx), fields, mode
+    )
     return recv_x, got.recv_topk_idx, got.recv_topk_weights, handle
 
 
@@ -103,19 +105,24 @@ def dispatch_sync_free(buf: BufferView, plan: DispatchPlan, layout: DispatchLayo
         num_recv_tokens_per_expert=got.per_expert.to(torch.int32),
         num_recv_tokens_per_expert_list=None,
     )
-    handle = _handle(buf, plan, layout, got, fields, mode)
+    handle = fresh_handle(
+        buf, plan, layout, (got.recv_src_rank, got.recv_src_idx, got.recv_topk_idx), fields, mode
+    )
     return recv_x, got.recv_topk_idx, got.recv_topk_weights, handle
 
 
-def _handle(
+def fresh_handle(
     buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
-    got: reference.Received,
+    received: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     expanded: dict[str, Any],
     mode: dict[str, Any],
 ) -> DispatchHandle:
-    """The handle of a fresh dispatch: the fields both modes fill alike, then the mode's own."""
+    """The handle of a fresh dispatch: the fields every backend and mode fill alike (``received``: each
+    received row's source rank, source token index and routing), then the expanded layout's and the mode's
+    own."""
+    recv_src_rank, recv_src_idx, recv_topk_idx = received
     return DispatchHandle(
         buffer_uid=buf.uid,
         seq=buf._next_seq(),
@@ -127,9 +134,9 @@ def _handle(
         is_token_in_rank=layout.is_token_in_rank,
         num_tokens_per_rank=layout.num_tokens_per_rank,
         num_tokens_per_expert=layout.num_tokens_per_expert,
-        recv_src_rank=got.recv_src_rank,
-        recv_src_idx=got.recv_src_idx,
-        recv_topk_idx=got.recv_topk_idx,
+        recv_src_rank=recv_src_rank,
+        recv_src_idx=recv_src_idx,
+        recv_topk_idx=recv_topk_idx,
         **expanded,
         **mode,
     )
@@ -205,11 +212,15 @@ def lay_out(
         return got.recv_x, {}
     assert got.recv_topk_idx is not None
     maps = build_expanded(got.recv_topk_idx, num_local, plan.expert_alignment, rows)
-    fields = dict(
+    return gather_expanded(got.recv_x, maps.src_row), expanded_fields(maps, rows)
+
+
+def expanded_fields(maps: ExpandedMaps, rows: int) -> dict[str, Any]:
+    """The handle fields of an expanded layout of ``rows`` rows (either backend's ``maps``)."""
+    return dict(
         expert_offsets=maps.offsets,
         expanded_src_row=maps.src_row,
         expanded_slot=maps.slot,
         recv_expanded_index=maps.index,
         num_expanded_rows=rows,
     )
-    return gather_expanded(got.recv_x, maps.src_row), fields

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from lck_ep._exchange import Dispatched
+from lck_ep._exchange import Dispatched, expanded_fields, fresh_handle
 from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
-from lck_ep.expanded import expanded_capacity
+from lck_ep.expanded import ExpandedMaps, expanded_capacity
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp
@@ -104,32 +104,19 @@ def dispatch(
             num_recv_tokens_per_expert=out["per_expert"],
             num_recv_tokens_per_expert_list=None,
         )
-    handle = DispatchHandle(
-        buffer_uid=buf.uid,
-        seq=buf._next_seq(),
-        num_tokens=plan.num_tokens,
-        num_topk=plan.num_topk,
-        hidden=buf.hidden,
+    mode.update(
         sync_free=counts is None,
         num_worst_tokens=None if counts is not None else rows,
-        expand=plan.expand,
-        expert_alignment=a,
-        is_token_in_rank=mask,
-        num_tokens_per_rank=layout.num_tokens_per_rank,
-        num_tokens_per_expert=layout.num_tokens_per_expert,
         send_token_idx=None,
         send_slot=slots,
         num_recv_rows=rows,
-        recv_src_rank=out["recv_src_rank"],
-        recv_src_idx=out["recv_src_idx"],
-        recv_topk_idx=out["recv_topk_idx"],
         recv_slot_pos=out["slot_pos"],
         backend="nvshmem",
         recv_counts_device=out["recv_counts"],
         recv_starts=out["recv_starts"],
-        **fields,
-        **mode,
     )
+    received = (out["recv_src_rank"], out["recv_src_idx"], out["recv_topk_idx"])
+    handle = fresh_handle(buf, plan, layout, received, fields, mode)
     return recv_x, out["recv_topk_idx"], out["recv_topk_weights"], handle
 
 
@@ -145,14 +132,7 @@ def _expand(
     st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
     recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
     st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
-    fields = dict(
-        expert_offsets=offsets,
-        expanded_src_row=src_row,
-        expanded_slot=slot,
-        recv_expanded_index=index,
-        num_expanded_rows=m,
-    )
-    return recv_x, fields
+    return recv_x, expanded_fields(ExpandedMaps(offsets, src_row, slot, index), m)
 
 
 def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
