@@ -100,15 +100,7 @@ def _bench_shape(
     name, tokens, hidden, k, e = shape
     group = dist.group.WORLD
     label = f"{name} T{tokens} H{hidden} K{k} E{e} x{world} PEs"
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.rand(tokens, e, generator=g).argsort(dim=1)[:, :k].contiguous().to(dev)
-    w = torch.rand(tokens, k, generator=g).to(dev)
-    synced = Buffer(group, tokens, hidden, k, e, device=dev)
-    free = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev)
-    d = synced.dispatch(x, idx, w)
-    df = free.dispatch(x, idx, w)
-    sent = float(sum(c for r, c in enumerate(d.handle.send_counts) if r != rank) * hidden * 2)
+    g, x, idx, w, synced, d, free, df, sent = dispatch_shape(shape, rank, dev)
     attempt("dispatch", "lck_nvshmem", label, lambda: synced.dispatch(x, idx, w), sent)
     attempt("dispatch", "lck_nvshmem_sync_free", label, lambda: free.dispatch(x, idx, w), sent)
     attempt("dispatch_cached", "lck_nvshmem", label, lambda: synced.dispatch(x, handle=d.handle), sent)
@@ -163,6 +155,30 @@ def _bench_shape(
         )
 
 
+def dispatch_shape(shape: tuple[str, int, int, int, int], rank: int, dev: Any) -> tuple[Any, ...]:
+    """One shape's inputs on this PE (bf16 rows, ``k`` distinct random experts and random weights per token,
+    from a generator seeded by ``rank``), a synced and a sync-free Buffer over WORLD with one dispatch
+    through each, and the bytes this PE sends to other PEs per dispatch: ``(generator, x, idx, w, synced,
+    dispatched, sync_free, sync_free_dispatched, sent)``. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    from lck_ep import Buffer
+
+    _, tokens, hidden, k, e = shape
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(tokens, e, generator=g).argsort(dim=1)[:, :k].contiguous().to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    synced = Buffer(group, tokens, hidden, k, e, device=dev)
+    free = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev)
+    d = synced.dispatch(x, idx, w)
+    df = free.dispatch(x, idx, w)
+    sent = float(sum(c for r, c in enumerate(d.handle.send_counts) if r != rank) * hidden * 2)
+    return g, x, idx, w, synced, d, free, df, sent
+
+
 def merge(per_rank: list[list[dict[str, Any]]], world: int) -> list[Any]:
     """One Record per (bench, provider, shape): medians over PEs of each PE's median; GB/s from bytes."""
     from lck_runtime.benchmarking import Record
@@ -208,14 +224,12 @@ def main_native(args: Any) -> int:
     import torch
 
     from lck_runtime.benchmarking import bar_plot, gpu_slug, write_results
-    from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, run_workers, shared_gpu_env
+    from lck_runtime.testing import run_workers
 
     if not torch.cuda.is_available() or not 2 <= args.pes <= 64:
         print("lck bench ep --pes N: needs a CUDA GPU and 2 <= N <= 64", file=sys.stderr)
         return 2
-    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
-    if torch.cuda.device_count() < args.pes:
-        env.update(shared_gpu_env(args.pes, torch.cuda.device_count()))
+    env = pes_env(args.pes)
     iters = args.iters or (10 if args.quick else 30)
     t0 = time.monotonic()
     per_rank = run_workers(
@@ -248,19 +262,43 @@ def main_native(args: Any) -> int:
             title=f"lck-ep native backend, {args.pes} PEs on {torch.cuda.device_count()} x {slug}",
         ),
     )
-    print(
-        f"{'bench':<18}{'provider':<30}{'shape':<36}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}{'of copy':>9}"
+    print_records(records)
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0 if not any(r.error for r in records) else 1
+
+
+def pes_env(pes: int) -> dict[str, str]:
+    """The environment of ``pes`` benchmark PEs: NVSHMEM on one host, modules loaded eagerly, output
+    unbuffered; PEs share GPUs under MPS where fewer than ``pes`` are visible."""
+    import torch
+
+    from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, shared_gpu_env
+
+    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
+    if torch.cuda.device_count() < pes:
+        env.update(shared_gpu_env(pes, torch.cuda.device_count()))
+    return env
+
+
+def print_records(
+    records: list[Any], provider_width: int = 30, shape_width: int = 36, of_copy: bool = True
+) -> None:
+    """The results table: per row bench, provider, shape, GPU / host / loop ms and GB/s, and with
+    ``of_copy`` the fraction of the peer copy's rate; the error instead for a row that failed."""
+    pw, sw = provider_width, shape_width
+    head = (
+        f"{'bench':<18}{'provider':<{pw}}{'shape':<{sw}}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}"
     )
+    print(head + (f"{'of copy':>9}" if of_copy else ""))
     for r in records:
         if r.error:
-            print(f"{r.bench:<18}{r.provider:<30}{r.shape:<36}  {r.error}")
+            print(f"{r.bench:<18}{r.provider:<{pw}}{r.shape:<{sw}}  {r.error}")
             continue
         e = r.extra
         host = f"{e['host_ms']:9.3f}" if e.get("host_ms") is not None else f"{'':>9}"
         loop = f"{e['loop_ms']:9.3f}" if e.get("loop_ms") is not None else f"{'':>9}"
         frac = f"{e['of_copy_peer']:9.2f}" if e.get("of_copy_peer") is not None else f"{'':>9}"
         print(
-            f"{r.bench:<18}{r.provider:<30}{r.shape:<36}{r.median_ms:9.3f}{host}{loop}{e.get('gb_per_s', 0):8.1f}{frac}"
+            f"{r.bench:<18}{r.provider:<{pw}}{r.shape:<{sw}}{r.median_ms:9.3f}{host}{loop}"
+            f"{e.get('gb_per_s', 0):8.1f}{frac if of_copy else ''}"
         )
-    print("wrote", ", ".join(str(p) for p in paths.values()))
-    return 0 if not any(r.error for r in records) else 1
