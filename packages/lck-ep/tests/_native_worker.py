@@ -306,15 +306,7 @@ def stop(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": buf.backend}
     dist.barrier()
     if rank != world - 1:
-        x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
-        idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
-        t0 = time.perf_counter()
-        buf.dispatch(x, idx)
-        try:
-            buf.check_errors()
-        except Exception as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out["seconds"] = time.perf_counter() - t0
+        x, idx = stalled_dispatch(buf, world, dev, out)
         try:  # every later call raises at once
             buf.dispatch(x, idx)
         except Exception as exc:
@@ -322,6 +314,21 @@ def stop(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     dist.barrier()
     L.finalize()
     return out
+
+
+def stalled_dispatch(buf: Any, world: int, dev: torch.device, out: dict[str, Any]) -> tuple[Any, Any]:
+    """A sync-free dispatch of 16 rows that a stopped rank never answers: what ``check_errors`` raised
+    goes to ``out["error"]``, the seconds until it did to ``out["seconds"]``; returns the inputs."""
+    x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
+    idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
+    t0 = time.perf_counter()
+    buf.dispatch(x, idx)
+    try:
+        buf.check_errors()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - t0
+    return x, idx
 
 
 def fp8(rank: int, world: int, seed: int) -> list[str]:
