@@ -120,23 +120,36 @@ def build_native_kernels(device_index: int, knobs: EpKnobs | None = None) -> dic
     Loading happens here, at Buffer construction: a module loaded later could wait behind a peer's
     kernel spinning on the same GPU (CUDA MPS) and stall both until the timeout.
     """
+    knobs = read_knobs() if knobs is None else knobs
+    return load_kernels(
+        _LOCK,
+        _KERNELS,
+        knobs,
+        device_index,
+        lambda jit: {k: jit.build(**native_spec(k, knobs).build_kwargs()) for k in NATIVE_KERNELS},
+    )
+
+
+def load_kernels(
+    lock: Any, cache: dict[tuple[Any, ...], dict[str, Any]], knobs: EpKnobs, device_index: int, build: Any
+) -> dict[str, Any]:
+    """``build(jit)``'s kernels loaded onto ``device_index``, once per knobs, JIT flags and cache directory
+    and device in ``cache`` (guarded by ``lock``)."""
     import os
 
-    knobs = read_knobs() if knobs is None else knobs
     key = (
         knobs,
         os.environ.get("EP_JIT_EXTRA_FLAGS", ""),
         os.environ.get("EP_JIT_CACHE_DIR", ""),
         device_index,
     )
-    with _LOCK:
-        kernels = _KERNELS.get(key)
+    with lock:
+        kernels = cache.get(key)
         if kernels is None:
-            jit = _jit()
-            kernels = {k: jit.build(**native_spec(k, knobs).build_kwargs()) for k in NATIVE_KERNELS}
+            kernels = build(_jit())
             for kernel in kernels.values():
                 kernel.load(device_index)
-            _KERNELS[key] = kernels
+            cache[key] = kernels
     return kernels
 
 
