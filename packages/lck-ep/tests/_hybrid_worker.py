@@ -11,7 +11,7 @@ import traceback
 from typing import Any
 
 import torch
-from _native_worker import CASES, E_PER_RANK, H_CAP, TOPK_CAP, Compare, _round, inputs
+from _native_worker import CASES, E_PER_RANK, H_CAP, TOPK_CAP, Compare, _round, inputs, stalled_dispatch
 
 # The routings each setting runs: a full-size row, an odd hidden with -1 slots and two biases, a rank that
 # sends nothing, one token, fp16 duplicates, fp32 rows.
@@ -194,8 +194,6 @@ def sweep(rank: int, world: int, num_hosts: int, seed: int) -> list[str]:
 def stop(rank: int, world: int, num_hosts: int, timeout_s: float) -> dict[str, Any]:
     """The last rank never calls; the others' sync-free dispatch must give up within ``timeout_s`` (in the
     hybrid kernels' waits or the native receiver's), naming that rank."""
-    import time
-
     import torch.distributed as dist
 
     import lck_runtime as L
@@ -209,15 +207,7 @@ def stop(rank: int, world: int, num_hosts: int, timeout_s: float) -> dict[str, A
     out: dict[str, Any] = {"backend": buf.backend, "state": type(buf._native).__name__}
     dist.barrier()
     if rank != world - 1:
-        x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
-        idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
-        t0 = time.perf_counter()
-        buf.dispatch(x, idx)
-        try:
-            buf.check_errors()
-        except Exception as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out["seconds"] = time.perf_counter() - t0
+        stalled_dispatch(buf, world, dev, out)
     dist.barrier()
     L.finalize()
     return out

@@ -109,23 +109,11 @@ def _bench_shape(
     align: Any,
 ) -> None:
     """Dispatch and combine, synced and sync-free, on one shape (collective: every PE runs the same)."""
-    import torch
-    import torch.distributed as dist
-
-    from lck_ep import Buffer
+    from lck_ep.benchmark_native import dispatch_shape
 
     name, tokens, hidden, k, e = shape
-    group = dist.group.WORLD
     label = f"{name} T{tokens} H{hidden} K{k} E{e} {hosts}x{world // hosts} PEs"
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.rand(tokens, e, generator=g).argsort(dim=1)[:, :k].contiguous().to(dev)
-    w = torch.rand(tokens, k, generator=g).to(dev)
-    synced = Buffer(group, tokens, hidden, k, e, device=dev)
-    free = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev)
-    d = synced.dispatch(x, idx, w)
-    df = free.dispatch(x, idx, w)
-    sent = float(sum(c for r, c in enumerate(d.handle.send_counts) if r != rank) * hidden * 2)
+    _, x, idx, w, synced, d, free, df, sent = dispatch_shape(shape, rank, dev)
     attempt("dispatch", provider, label, lambda: synced.dispatch(x, idx, w), sent, align)
     attempt("dispatch", provider + "_sync_free", label, lambda: free.dispatch(x, idx, w), sent, align)
     attempt("combine", provider, label, lambda: synced.combine(d.recv_x, d.handle), sent, align)
@@ -144,7 +132,7 @@ def main_hybrid(args: Any) -> int:
 
     from lck_ep import benchmark_native
     from lck_runtime.benchmarking import bar_plot, gpu_slug, write_results
-    from lck_runtime.testing import SINGLE_HOST_NVSHMEM_ENV, run_workers, shared_gpu_env
+    from lck_runtime.testing import run_workers
 
     hosts = args.virtual_hosts
     pes = args.pes if args.pes is not None else 2 * hosts
@@ -154,9 +142,7 @@ def main_hybrid(args: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    env = {**SINGLE_HOST_NVSHMEM_ENV, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
-    if torch.cuda.device_count() < pes:
-        env.update(shared_gpu_env(pes, torch.cuda.device_count()))
+    env = benchmark_native.pes_env(pes)
     iters = args.iters or (10 if args.quick else 20)
     t0 = time.monotonic()
     scale_up = run_workers(
@@ -187,16 +173,6 @@ def main_hybrid(args: Any) -> int:
             title=f"lck-ep hybrid ({hosts} virtual hosts) beside scale-up, {pes} PEs on {slug}",
         ),
     )
-    print(f"{'bench':<18}{'provider':<36}{'shape':<44}{'GPU ms':>9}{'host ms':>9}{'loop ms':>9}{'GB/s':>8}")
-    for r in records:
-        if r.error:
-            print(f"{r.bench:<18}{r.provider:<36}{r.shape:<44}  {r.error}")
-            continue
-        e = r.extra
-        host = f"{e['host_ms']:9.3f}" if e.get("host_ms") is not None else f"{'':>9}"
-        loop = f"{e['loop_ms']:9.3f}" if e.get("loop_ms") is not None else f"{'':>9}"
-        print(
-            f"{r.bench:<18}{r.provider:<36}{r.shape:<44}{r.median_ms:9.3f}{host}{loop}{e.get('gb_per_s', 0):8.1f}"
-        )
+    benchmark_native.print_records(records, 36, 44, of_copy=False)
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return 0 if not any(r.error for r in records) else 1

@@ -368,22 +368,11 @@ def compile_hybrid_kernels(arch: str, knobs: EpKnobs | None = None) -> dict[str,
 def build_hybrid_kernels(device_index: int, knobs: EpKnobs) -> dict[str, Any]:
     """Build (or fetch) and load the selected pair onto ``device_index``: ``{"dispatch": k, "combine": k}``."""
     from lck_ep.hybrid_codegen import hybrid_spec
-    from lck_runtime.jit import Jit
+    from lck_ep.native import load_kernels
 
-    key = (
-        knobs,
-        os.environ.get("EP_JIT_EXTRA_FLAGS", ""),
-        os.environ.get("EP_JIT_CACHE_DIR", ""),
-        device_index,
-    )
-    with _LOCK:
-        kernels = _KERNELS.get(key)
-        if kernels is None:
-            jit = Jit(prefix="EP")
-            kernels = {
-                role: jit.build(**hybrid_spec(role, knobs).build_kwargs()) for role in ("dispatch", "combine")
-            }
-            for k in kernels.values():
-                k.load(device_index)
-            _KERNELS[key] = kernels
-    return kernels
+    def build(jit: Any) -> dict[str, Any]:
+        return {
+            role: jit.build(**hybrid_spec(role, knobs).build_kwargs()) for role in ("dispatch", "combine")
+        }
+
+    return load_kernels(_LOCK, _KERNELS, knobs, device_index, build)
