@@ -146,6 +146,11 @@ def check_args(
     if "nccl" in backend and device.type != "cuda":
         raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={device}")
     ctx = moe_context(group)
+    if backend_choice != "reference" and ctx is not None and ctx.native and ctx.num_hosts > 1:
+        if ctx.size == num_ranks:  # the hybrid channel and signal budget, refused before anything is built
+            from lck_ep.hybrid import plan_hybrid
+
+            plan_hybrid(config=ctx.config, num_ranks=num_ranks, num_sms=num_sms)
     why_not = _native_problem(ctx, device, num_ranks, hidden, num_topk, max_tokens)
     if backend_choice == "nvshmem" and why_not is not None:
         raise ValueError(
@@ -192,11 +197,12 @@ def _native_problem(
         return "the group's MoE context runs on the torch.distributed path (NVSHMEM is not available here)"
     if device.type != "cuda":
         return f"the native kernels move CUDA tensors, got device={device}"
-    if ctx.num_hosts > 1:
-        return (
-            f"the MoE context spans {ctx.num_hosts} hosts and the native kernels here are the scale-up "
-            "(one host) pair; the scale-out kernels are not built yet"
-        )
+    if ctx.num_hosts > 1:  # the hybrid (scale-out) kernels: lck_ep.hybrid
+        from lck_ep.hybrid import hybrid_problem
+
+        why = hybrid_problem(num_ranks=num_ranks, num_topk=num_topk, config=ctx.config)
+        if why is not None:
+            return why
     from lck_runtime.toolchain import find_nvcc
 
     if find_nvcc() is None:

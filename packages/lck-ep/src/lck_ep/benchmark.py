@@ -272,9 +272,20 @@ def main(argv: list[str] | None = None) -> int:
         "when there are fewer GPUs), beside the reference and a plain peer copy (lck_ep.benchmark_native)",
     )
     parser.add_argument(
+        "--virtual-hosts",
+        type=int,
+        default=None,
+        help="the native backend's PEs (--pes N, default twice this) also as this many virtual hosts: the hybrid "
+        "(scale-out) kernels' rows beside the scale-up ones (lck_ep.benchmark_hybrid)",
+    )
+    parser.add_argument(
         "--no-reference", action="store_true", help="with --pes: skip the gloo reference rows"
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.virtual_hosts is not None:
+        from lck_ep.benchmark_hybrid import main_hybrid
+
+        return main_hybrid(args)
     if args.pes is not None:
         from lck_ep.benchmark_native import main_native
 

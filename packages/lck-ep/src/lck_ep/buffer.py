@@ -160,7 +160,10 @@ class Buffer:
                 if settled.backend == "nvshmem":
                     from lck_ep.native import NativeEp
 
-                    self._native = NativeEp.for_context(settled.moe_context, self.device)
+                    state = NativeEp
+                    if settled.num_hosts > 1:  # several (virtual) hosts: the hybrid kernels
+                        from lck_ep._hybrid_exchange import HybridEp as state
+                    self._native = state.for_context(settled.moe_context, self.device)
                     if settled.use_kernel_layout:
                         # Loaded now, not at the first dispatch: a module loaded while a peer sharing the GPU
                         # (MPS) spins in a native kernel can stall both until the timeout.
@@ -184,7 +187,10 @@ class Buffer:
                 num_experts,
                 int(sync_free),
                 int(self.device.type == "cuda"),
-                int(settled is not None and settled.backend == "nvshmem"),
+                # the hybrid kernels' geometry too: it must agree across ranks (EP_* knobs)
+                getattr(self._native, "signature", 1)
+                if settled is not None and settled.backend == "nvshmem"
+                else 0,
             ]
         agree(group, home, error, BUFFER_FIELDS, digest, None, 0)
         assert settled is not None

@@ -28,11 +28,22 @@ KERNEL_ROLES = {
 }
 
 
+def role(name: str) -> str:
+    """What a cache entry is: a native kernel's role, or the hybrid pair's (``ep_hybrid_<role>_<pair>``)."""
+    if name in KERNEL_ROLES:
+        return KERNEL_ROLES[name]
+    from lck_ep.hybrid_codegen import HYBRID_ROLES
+
+    return f"{HYBRID_ROLES[name.split('_')[2]]}, {name.split('_')[3]} pair"
+
+
 def warmup(archs: list[str]) -> list[tuple[str, str, str, float]]:
-    """Compile every native-backend kernel for each arch; ``[(kernel, arch, cubin path, seconds)]``.
+    """Compile every native-backend kernel and the hybrid pair ``EP_HYBRID_KERNEL`` selects for each arch;
+    ``[(kernel, arch, cubin path, seconds)]``.
 
     Knobs are validated before nvcc runs (a bad ``EP_*`` value raises ``KnobError``)."""
     from lck_ep.codegen import NATIVE_KERNELS
+    from lck_ep.hybrid import compile_hybrid_kernels
     from lck_ep.jit import compile_layout_kernel
     from lck_ep.knobs import read_knobs
     from lck_ep.native import compile_native_kernels
@@ -48,6 +59,10 @@ def warmup(archs: list[str]) -> list[tuple[str, str, str, float]]:
             t0 = time.perf_counter()
             path = compile_native_kernels(arch, knobs, only=(name,))[name]
             out.append((name, arch, path, time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for name, path in compile_hybrid_kernels(arch, knobs).items():  # the pair EP_HYBRID_KERNEL selects
+            out.append((name, arch, path, time.perf_counter() - t0))
+            t0 = time.perf_counter()
     return out
 
 
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print("lck ep warmup: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
         return 2
     for name, arch, path, secs in warmup(archs):
-        print(f"{name:<20} {arch:<8} {secs:5.1f} s  {KERNEL_ROLES[name]}\n{'':<20} {path}")
+        print(f"{name:<20} {arch:<8} {secs:5.1f} s  {role(name)}\n{'':<20} {path}")
     return 0
 
 
