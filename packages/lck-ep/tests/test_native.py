@@ -96,6 +96,46 @@ def test_native_problem_names_the_limit() -> None:
 
 
 @pytest.mark.nvcc
+def test_expanded_handle_fields_of_a_native_dispatch() -> None:
+    """The host side of the native expanded dispatch, kernels stubbed: the handle's expanded fields are the
+    tensors the kernels wrote (a GPU-only path, so a wrong call here would otherwise show only on a GPU)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lck_ep._native_exchange import _expand
+
+    calls = {}
+
+    class _Kernels:
+        def expand_maps(self, topk_idx, kept, alignment, offsets, src_row, slot, index):
+            calls["maps"] = (kept, alignment)
+            offsets.copy_(torch.arange(offsets.numel()))
+            src_row.fill_(3)
+            slot.fill_(1)
+            index.fill_(2)
+
+        def copy_rows(self, x, starts, src_row, recv_x, num_sms):
+            calls["rows"] = num_sms
+            recv_x.fill_(7.0)
+
+    buf = SimpleNamespace(device=torch.device("cpu"), num_local_experts=2, num_topk=3, num_sms=5)
+    kept = torch.tensor([4, 1], dtype=torch.int32)
+    out = {
+        "recv_topk_idx": torch.zeros(4, 3, dtype=torch.int64),
+        "kept_per_expert": kept,
+        "recv_starts": None,
+    }
+    recv_x, fields = _expand(_Kernels(), buf, torch.ones(4, 8), out, rows=4, m=6, alignment=1)
+    assert calls == {"maps": (kept, 1), "rows": 5}
+    assert recv_x.shape == (6, 8) and bool((recv_x == 7.0).all())
+    assert fields["num_expanded_rows"] == 6
+    assert torch.equal(fields["expert_offsets"], torch.arange(3))
+    assert torch.equal(fields["expanded_src_row"], torch.full((6,), 3))
+    assert torch.equal(fields["expanded_slot"], torch.full((6,), 1))
+    assert torch.equal(fields["recv_expanded_index"], torch.full((4, 3), 2))
+
+
 def test_warmup_compiles_every_native_kernel(capsys: Any) -> None:
     """Built into the run's shared EP_JIT_CACHE_DIR, so later tests load instead of compiling again."""
     from pathlib import Path

@@ -132,7 +132,10 @@ def _expand(
     st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
     recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
     st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms)
-    return recv_x, expanded_fields(ExpandedMaps(offsets, src_row, slot, index), m)
+    maps = ExpandedMaps(
+        counts=out["kept_per_expert"], offsets=offsets, src_row=src_row, slot=slot, index=index
+    )
+    return recv_x, expanded_fields(maps, m)
 
 
 def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
