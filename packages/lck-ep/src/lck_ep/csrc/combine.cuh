@@ -85,67 +85,10 @@ struct CombineRecvArgs {
   unsigned long long timeout_ns;
 };
 
-// A warp's kSpan chunks of one row from column h0 (kVec elements each, 32 * kVec apart), those below
-// hidden, into vals: every load issued before any of them is added.
-template <typename T, int kVec, int kSpan>
-__device__ __forceinline__ void load_span(const T* row, int h0, int hidden, T (&vals)[kSpan][kVec]) {
-#pragma unroll
-  for (int u = 0; u < kSpan; ++u) {
-    const int h = h0 + u * 32 * kVec;
-    if (h >= hidden) break;
-    if constexpr (kVec == 8) {
-      *reinterpret_cast<int4*>(vals[u]) = *reinterpret_cast<const int4*>(row + h);
-    } else {
-      vals[u][0] = row[h];
-    }
-  }
-}
-
-// Both receivers' sums, one warp per output row: kVec consecutive elements per lane (16-byte loads when
-// the row allows), kSpan such groups per lane at once (32 * kVec apart). The rows of up to four sources
-// (row_of(j) for j < count; nullptr: none) are loaded for every group before any is added, so up to
-// 4 * kSpan loads are in flight per lane, and then each element adds term(value) in ascending j, in
-// float32 from +0.0 (the reference order: the grouping only changes when loads are issued), term being
-// term_of(j), fetched once per row. store(h, sums) takes the kVec sums of the group at column h.
-template <typename T, int kVec, int kSpan, typename RowOf, typename TermOf, typename Store>
-__device__ __forceinline__ void sum_rows(int hidden, int lane, int count, RowOf row_of, TermOf term_of, Store store) {
-  for (int h0 = lane * kVec; h0 < hidden; h0 += 32 * kVec * kSpan) {
-    float acc[kSpan][kVec];
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u)
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
-    for (int j0 = 0; j0 < count; j0 += 4) {
-      T vals[4][kSpan][kVec];
-      const T* rows[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) rows[j] = j0 + j < count ? row_of(j0 + j) : nullptr;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (rows[j] != nullptr) load_span<T, kVec, kSpan>(rows[j], h0, hidden, vals[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (rows[j] == nullptr) continue;
-        const auto term = term_of(j0 + j);
-#pragma unroll
-        for (int u = 0; u < kSpan; ++u) {
-          if (h0 + u * 32 * kVec >= hidden) break;
-#pragma unroll
-          for (int v = 0; v < kVec; ++v) acc[u][v] = __fadd_rn(acc[u][v], term(to_float(vals[j][u][v])));
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u) {
-      const int h = h0 + u * 32 * kVec;
-      if (h >= hidden) break;
-      store(h, acc[u]);
-    }
-  }
-}
-
-// One warp per token: the sum of its members' partial rows in ascending member order, plus the biases.
+// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows), kSpan such
+// groups per lane at once (32 * kVec apart). The rows of up to four members are loaded for every group
+// before any is added, so up to 4 * kSpan loads are in flight per lane, and then each element adds them
+// in ascending member order (the reference order: the grouping only changes when loads are issued).
 template <typename T, int kVec, int kSpan>
 __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
   const T* b0 = static_cast<const T*>(a.bias0);
@@ -153,25 +96,66 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
   T* out = static_cast<T*>(a.out) + t * a.hidden;
   const bool* mask = a.mask + t * a.num_ranks;
   const long long* slot = a.send_slot + t * a.num_ranks;
-  sum_rows<T, kVec, kSpan>(
-      a.hidden, lane, a.num_ranks,
-      [&](int d) -> const T* {
-        if (!mask[d]) return nullptr;
-        if (d != a.me) return reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
-        const long long p = self_start + slot[d];
-        // a row the dispatch dropped comes back as zeros: adds nothing
-        return p < a.valid_rows ? reinterpret_cast<const T*>(a.partial) + p * a.hidden : nullptr;
-      },
-      [](int) { return [](float f) { return f; }; },
-      [&](int h, const float* sums) {
+  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
+    float acc[kSpan][kVec];
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) {
-          float r = sums[v];
-          if (b0 != nullptr) r = __fadd_rn(r, to_float(b0[t * a.hidden + h + v]));
-          if (b1 != nullptr) r = __fadd_rn(r, to_float(b1[t * a.hidden + h + v]));
-          out[h + v] = from_float<T>(r);
+    for (int u = 0; u < kSpan; ++u)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
+    for (int d0 = 0; d0 < a.num_ranks; d0 += 4) {
+      T vals[4][kSpan][kVec];
+      const T* rows[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int d = d0 + j;
+        rows[j] = nullptr;
+        if (d >= a.num_ranks || !mask[d]) continue;
+        if (d != a.me) {
+          rows[j] = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
+        } else {
+          const long long p = self_start + slot[d];
+          // a row the dispatch dropped comes back as zeros: adds nothing
+          if (p < a.valid_rows) rows[j] = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
         }
-      });
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          const int h = h0 + u * 32 * kVec;
+          if (h >= a.hidden) break;
+          if constexpr (kVec == 8) {
+            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
+          } else {
+            vals[j][u][0] = rows[j][h];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          if (h0 + u * 32 * kVec >= a.hidden) break;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) acc[u][v] = __fadd_rn(acc[u][v], to_float(vals[j][u][v]));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSpan; ++u) {
+      const int h = h0 + u * 32 * kVec;
+      if (h >= a.hidden) break;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        float r = acc[u][v];
+        if (b0 != nullptr) r = __fadd_rn(r, to_float(b0[t * a.hidden + h + v]));
+        if (b1 != nullptr) r = __fadd_rn(r, to_float(b1[t * a.hidden + h + v]));
+        out[h + v] = from_float<T>(r);
+      }
+    }
+  }
 }
 
 // Two launches of one kernel: stage 0 (a single block) waits for every member's partials; stage 1, on
@@ -234,17 +218,55 @@ __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long lon
   T* out = static_cast<T*>(a.partial) + n * a.hidden;
   const long long* index = a.index + n * a.num_topk;
   const float* weights = a.weights != nullptr ? a.weights + n * a.num_topk : nullptr;
-  sum_rows<T, kVec, kSpan>(
-      a.hidden, lane, a.num_topk,
-      [&](int k) -> const T* { return index[k] >= 0 ? x + index[k] * a.hidden : nullptr; },
-      [&](int k) {
-        const float w = weights != nullptr ? weights[k] : 1.0f;
-        return [=](float f) { return weights != nullptr ? __fmul_rn(f, w) : f; };
-      },
-      [&](int h, const float* sums) {
+  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
+    float acc[kSpan][kVec];
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(sums[v]);
-      });
+    for (int u = 0; u < kSpan; ++u)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
+    for (int k0 = 0; k0 < a.num_topk; k0 += 4) {
+      T vals[4][kSpan][kVec];
+      const T* rows[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // up to four slots' rows in flight before any is added
+        const int k = k0 + j;
+        rows[j] = k < a.num_topk && index[k] >= 0 ? x + index[k] * a.hidden : nullptr;
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          const int h = h0 + u * 32 * kVec;
+          if (h >= a.hidden) break;
+          if constexpr (kVec == 8) {
+            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
+          } else {
+            vals[j][u][0] = rows[j][h];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (rows[j] == nullptr) continue;
+        const float w = weights != nullptr ? weights[k0 + j] : 1.0f;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          if (h0 + u * 32 * kVec >= a.hidden) break;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) {
+            float f = to_float(vals[j][u][v]);
+            if (weights != nullptr) f = __fmul_rn(f, w);
+            acc[u][v] = __fadd_rn(acc[u][v], f);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSpan; ++u) {
+      const int h = h0 + u * 32 * kVec;
+      if (h >= a.hidden) break;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(acc[u][v]);
+    }
+  }
 }
 
 template <typename T>
