@@ -147,9 +147,11 @@ def check_args(
         raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={device}")
     ctx = moe_context(group)
     if backend_choice != "reference" and ctx is not None and ctx.native and ctx.num_hosts > 1:
-        if ctx.size == num_ranks:  # the hybrid channel and signal budget, refused before anything is built
-            from lck_ep.hybrid import plan_hybrid
+        from lck_ep.hybrid import hybrid_enabled, plan_hybrid
 
+        if (
+            ctx.size == num_ranks and hybrid_enabled()
+        ):  # the channel and signal budget, before anything is built
             plan_hybrid(config=ctx.config, num_ranks=num_ranks, num_sms=num_sms)
     why_not = _native_problem(ctx, device, num_ranks, hidden, num_topk, max_tokens)
     if backend_choice == "nvshmem" and why_not is not None:
