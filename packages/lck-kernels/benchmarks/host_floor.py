@@ -67,13 +67,13 @@ def main() -> None:
         @staticmethod
         def forward(ctx, x, w):
             y = torch.empty_like(x)
-            touch((1,), x, y, 128)
+            touch.raw((1,), x, y, 128)
             return y
 
         @staticmethod
         def backward(ctx, g):
             dx = torch.empty_like(g)
-            touch((1,), g, dx, 128)
+            touch.raw((1,), g, dx, 128)
             return dx, None
 
     c_apply_empty = torch._C._FunctionBase.__dict__["apply"].__get__(None, Empty)
@@ -84,7 +84,7 @@ def main() -> None:
     grad = torch.autograd.grad
 
     def one_launch_direct():
-        return run_direct(lambda: grad(c_apply_one(x, w), (x,), dy))
+        return grad(c_apply_one(x, w), (x,), dy)
 
     steps = {
         "torch F.rms_norm fwd+bwd": lambda: grad(F.rms_norm(x, (hidden,), w, 1e-6), (x, w), dy),
@@ -99,7 +99,7 @@ def main() -> None:
         "torch.empty_like(x)": lambda: torch.empty_like(xd),
         "torch.empty((rows,), fp32)": lambda: torch.empty((rows,), dtype=torch.float32, device=xd.device),
         "launch_fwd (direct)": lambda: run_direct(launch_fwd, xd, w, y2, rstd, 1e-6, 0.0, 0),
-        "pre-bound touch launch": lambda: run_direct(touch, (1,), xd, y2, 128),
+        "pre-bound touch launch": lambda: touch.raw((1,), xd, y2, 128),
         "partial.sum(0) [264x4096 fp32]": lambda: partial.sum(0),
         ".to(bf16) of [4096] fp32": lambda: dw.to(torch.bfloat16),
     }
