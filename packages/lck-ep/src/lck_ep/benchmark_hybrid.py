@@ -36,7 +36,7 @@ def bench_rank(rank: int, world: int, hosts: int, iters: int) -> list[dict[str, 
 
     import lck_runtime as L
     from lck_ep import Buffer, _hybrid_exchange
-    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
+    from lck_ep.benchmark_native import record_row, time_row
     from lck_runtime.contexts import moe_context
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -57,18 +57,7 @@ def bench_rank(rank: int, world: int, hosts: int, iters: int) -> list[dict[str, 
     rows: list[dict[str, Any]] = []
 
     def attempt(bench: str, provider: str, label: str, fn: Any, nbytes: float, align: Any) -> None:
-        rec: dict[str, Any] = {"bench": bench, "provider": provider, "shape": label, "bytes": nbytes}
-        try:
-            rec["times"] = time_cuda(fn, warmup=3, iters=iters, barrier=dist.barrier, align=align)
-            rec["host_ms"] = host_ms(fn, iters=5, warmup=1)
-            dist.barrier()
-            rec["loop_ms"] = time_loop(fn, iters=20, warmup=2)
-            rec["summary"] = summarize(rec["times"])
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            torch.cuda.synchronize()
-        dist.barrier()
-        rows.append(rec)
+        record_row(rows, bench, provider, label, nbytes, lambda rec: time_row(rec, fn, iters, align))
 
     for suffix, env in SETTINGS:
         torch.cuda.synchronize()

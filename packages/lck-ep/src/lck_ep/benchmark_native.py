@@ -35,7 +35,6 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
 
     import lck_runtime as L
     from lck_ep import Buffer
-    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -54,14 +53,10 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
     rows: list[dict[str, Any]] = []
 
     def attempt(bench: str, provider: str, label: str, fn: Any, nbytes: float, cuda: bool = True) -> None:
-        rec: dict[str, Any] = {"bench": bench, "provider": provider, "shape": label, "bytes": nbytes}
-        try:
+        def time_it(rec: dict[str, Any]) -> None:
             if cuda:
-                rec["times"] = time_cuda(fn, warmup=3, iters=iters, barrier=dist.barrier, align=align)
-                rec["host_ms"] = host_ms(fn, iters=5, warmup=1) if bench != "copy" else None
-                dist.barrier()
-                rec["loop_ms"] = time_loop(fn, iters=20, warmup=2)
-            else:
+                time_row(rec, fn, iters, align, host=bench != "copy")
+            else:  # wall time of a few calls, each after a barrier
                 import time
 
                 fn()
@@ -72,12 +67,8 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
                     fn()
                     times.append((time.perf_counter() - t0) * 1e3)
                 rec["times"] = times
-            rec["summary"] = summarize(rec["times"])
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            torch.cuda.synchronize()
-        dist.barrier()
-        rows.append(rec)
+
+        record_row(rows, bench, provider, label, nbytes, time_it)
 
     for shape in SHAPES:
         _bench_shape(shape, rank, world, dev, attempt, with_reference)
@@ -153,6 +144,41 @@ def _bench_shape(
         attempt(
             "combine", "lck_reference_gloo_cpu", label, lambda: cpu.combine(dc.recv_x, dc.handle), sent, False
         )
+
+
+def record_row(
+    rows: list[dict[str, Any]], bench: str, provider: str, label: str, nbytes: float, time_it: Any
+) -> None:
+    """Append this PE's row of one (bench, provider, shape): ``time_it(row)`` fills its ``times`` (and
+    ``host_ms``, ``loop_ms``); a failure becomes the row's ``error`` instead. Collective: every PE reaches
+    the closing barrier either way, so one PE's failure does not hang the others' next row."""
+    import torch
+    import torch.distributed as dist
+
+    from lck_runtime.benchmarking import summarize
+
+    rec: dict[str, Any] = {"bench": bench, "provider": provider, "shape": label, "bytes": nbytes}
+    try:
+        time_it(rec)
+        rec["summary"] = summarize(rec["times"])
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.synchronize()
+    dist.barrier()
+    rows.append(rec)
+
+
+def time_row(rec: dict[str, Any], fn: Any, iters: int, align: Any, host: bool = True) -> None:
+    """GPU time (each call aligned on the device by ``align``), host time unless ``host`` is False, and loop
+    time of ``fn`` into ``rec``. Collective."""
+    import torch.distributed as dist
+
+    from lck_runtime.benchmarking import host_ms, time_cuda, time_loop
+
+    rec["times"] = time_cuda(fn, warmup=3, iters=iters, barrier=dist.barrier, align=align)
+    rec["host_ms"] = host_ms(fn, iters=5, warmup=1) if host else None
+    dist.barrier()
+    rec["loop_ms"] = time_loop(fn, iters=20, warmup=2)
 
 
 def dispatch_shape(shape: tuple[str, int, int, int, int], rank: int, dev: Any) -> tuple[Any, ...]:
