@@ -33,7 +33,7 @@ from lck_ep.hybrid import (
 from lck_ep.knobs import EpKnobs, KnobError
 from lck_runtime import MoEConfig
 from lck_runtime.symmetric import HYBRID_MAX_CHANNELS, moe_hybrid_area_bytes, moe_workspace_bytes
-from lck_runtime.testing import error_text, run_workers
+from lck_runtime.testing import assert_every_rank_says, error_text, run_workers
 
 TIMEOUT = 150
 
@@ -361,10 +361,7 @@ def test_selection_and_budget_errors_agree_on_every_rank() -> None:
         "budget, reference": "reference",
         "budget, not opted in": "reference",
     }
-    for key, text in want.items():
-        got = {o[key] for o in outs}
-        assert len(got) == 1, (key, got)  # the same answer on every rank
-        assert text in got.pop(), (key, outs[0][key])
+    assert_every_rank_says(outs, want)
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from _native_gpu import gpu_env, need_gpus
 
-from lck_runtime.testing import error_text, run_workers
+from lck_runtime.testing import assert_every_rank_says, error_text, run_workers
 
 TIMEOUT = 150
 
@@ -61,10 +61,7 @@ def test_backend_selection_and_its_errors_agree_on_every_rank() -> None:
         "nvshmem on cpu": "the native kernels move CUDA tensors, got device=cpu",
         "gloo with cuda, reference": "a gloo group moves CPU tensors, got device=cuda:0",
     }
-    for key, text in want.items():
-        got = {o[key] for o in outs}
-        assert len(got) == 1, (key, got)  # the same answer on both ranks
-        assert text in got.pop(), (key, outs[0][key])
+    assert_every_rank_says(outs, want)
     disagree = {o["disagree"] for o in outs}
     assert len(disagree) == 1, disagree
     msg = disagree.pop()

@@ -240,3 +240,12 @@ def error_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "<no error>"
+
+
+def assert_every_rank_says(outs: list[dict[str, str]], want: dict[str, str]) -> None:
+    """Each ``want[key]`` is in every rank's ``outs[rank][key]``, and the ranks' texts are identical (what
+    a collective check must give: the same answer everywhere, error or not)."""
+    for key, text in want.items():
+        got = {o[key] for o in outs}
+        assert len(got) == 1, (key, got)
+        assert text in got.pop(), (key, outs[0][key])
