@@ -61,10 +61,7 @@ def _agree_and_check(tp: TPGroup, x, weight, target, tau, ignore_index, chunk_by
     error: BaseException | None = None
     try:
         x2, t = _check_vp_flsce_inputs(x, weight, target, tau, chunk_bytes)
-        if tp.ctx is not None and x.device != tp.ctx.device:
-            raise ValueError(
-                f"{FLSCE_OP}: x is on {x.device} but lck_runtime.configure prepared {tp.ctx.device}"
-            )
+        tp.check_device(FLSCE_OP, "x", x)
     except (TypeError, ValueError) as exc:
         error, x2, t = exc, None, None
     tokens, hidden = (x2.shape[0], x2.shape[1]) if x2 is not None else (0, 0)

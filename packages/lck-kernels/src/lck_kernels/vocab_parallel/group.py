@@ -69,6 +69,13 @@ class TPGroup:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def check_device(self, op: str, name: str, t: torch.Tensor) -> None:
+        """``t`` is on the device the runtime context was configured for (any device without a context)."""
+        if self.ctx is not None and t.device != self.ctx.device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but lck_runtime.configure prepared {self.ctx.device}"
+            )
+
     def check_capacity(
         self, op: str, tokens: int, *, hidden: int | None = None, local_vocab: int | None = None
     ) -> None:

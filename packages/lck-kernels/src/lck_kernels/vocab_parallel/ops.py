@@ -21,10 +21,7 @@ def _vp_cross_entropy_fwd(
     error: BaseException | None = None
     try:
         z, t = check_vocab_parallel_cross_entropy_inputs(logits, target, label_smoothing)
-        if tp.ctx is not None and logits.device != tp.ctx.device:
-            raise ValueError(
-                f"{OP}: logits_shard is on {logits.device} but lck_runtime.configure prepared {tp.ctx.device}"
-            )
+        tp.check_device(OP, "logits_shard", logits)
     except (TypeError, ValueError) as exc:
         error, z, t = exc, None, None
     tokens, local_vocab = (z.shape[0], z.shape[1]) if z is not None else (0, 0)
