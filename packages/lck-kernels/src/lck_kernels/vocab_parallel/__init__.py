@@ -162,12 +162,10 @@ class LckVocabParallelCrossEntropy(torch.nn.Module):
     ) -> None:
         super().__init__()
         check_choice(OP, "reduction", reduction, ("none", "sum", "mean"))
-        self.group, self.label_smoothing, self.ignore_index, self.reduction = (
-            group,
-            label_smoothing,
-            ignore_index,
-            reduction,
-        )
+        self.group = group
+        self.label_smoothing = label_smoothing
+        self.ignore_index = ignore_index
+        self.reduction = reduction
         self.loss_dtype = loss_dtype
 
     def forward(self, logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
