@@ -178,15 +178,18 @@ class NativeEp:
         self.kernels = build_native_kernels(device.index)
         self.device_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
+    # One state per context and class: a subclass (the hybrid backend) keeps its own registry.
+    _states: dict[int, NativeEp] = _STATES
+
     @classmethod
     def for_context(cls, ctx: Any, device: torch.device) -> NativeEp:
         with _LOCK:
-            state = _STATES.get(id(ctx))
+            state = cls._states.get(id(ctx))
             if state is not None and state.ctx is ctx:
                 return state
         state = cls(ctx, device)
         with _LOCK:
-            _STATES[id(ctx)] = state
+            cls._states[id(ctx)] = state
         return state
 
     # -- diagnostics ----------------------------------------------------------------------------------
