@@ -209,26 +209,15 @@ __device__ inline bool wait_tail(const unsigned long long* word, unsigned long l
 }
 
 // Everything before this point in every block (fenced at system scope) is ordered before `last()`, run by
-// the last block to arrive; the ticket is reset for the next launch. Unlike finish_grid, blocks go on.
+// the last block to arrive; the ticket is reset for the next launch. Unlike finish_grid's callers, blocks
+// go on after it, so `last()`'s writes are fenced at system scope before the ticket is reset.
 template <typename Last>
 __device__ __forceinline__ void grid_step(unsigned int* ticket, Last last) {
-  __threadfence_system();
-  __syncthreads();
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    if (is_last) __threadfence_system();
-  }
-  __syncthreads();
-  if (is_last) {
+  finish_grid(ticket, [&] {
     last();
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      *ticket = 0u;
-    }
-  }
+    if (threadIdx.x == 0) __threadfence_system();
+  });
 }
 
 struct DispatchArgs {
