@@ -16,6 +16,10 @@ original object (identity, not name), recording ``(module, attribute, original)`
   wherever it is bound: the local spec provider's norm (``models.backends``), the final-layernorm
   slot (``transformer.transformer_block.LayerNormImpl`` and ``gpt_layer_specs.LNImpl`` when they are the
   torch norm), and the other local specs. TE and Apex norms are different objects and stay as they are.
+- Attention: ``transformer.dot_product_attention.DotProductAttention`` (the local specs' unfused core
+  attention) → :class:`~lck_megatron.attention.LckDotProductAttention` wherever it is bound: the local spec
+  provider (``models.backends``), the BERT, T5, ViT, LLaVA, heterogeneous-GPT and ModelOpt local specs, and
+  ``bert_model``'s spec check. ``TEDotProductAttention`` is a different object and stays as it is.
 - Linear cross entropy: ``GPTModel._postprocess`` (and ``HybridModel.forward`` / ``MambaModel.forward`` where
   the installed version defines them) are wrapped on their class; see :mod:`lck_megatron.linear_cross_entropy`.
 - MoE: ``MoELayer.__init__`` is wrapped on its class and ``moe_layer``'s dispatcher names become switches, so
@@ -48,6 +52,7 @@ _SWIGLU_HOME = ("megatron.core.fusions.fused_bias_swiglu", "bias_swiglu_impl")
 _CE_HOME = ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy")
 _FUSED_CE_HOME = ("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy")
 _NORM_HOME = ("megatron.core.transformer.torch_norm", "WrappedTorchNorm")
+_ATTENTION_HOME = ("megatron.core.transformer.dot_product_attention", "DotProductAttention")
 
 # Imported before the sweep so that their bindings exist; a module missing from a version is skipped.
 _CONSUMERS = {
@@ -68,6 +73,20 @@ _CONSUMERS = {
         "megatron.core.transformer.transformer_block",
         "megatron.core.models.backends",
         "megatron.core.models.gpt.gpt_layer_specs",
+    ),
+    "attention": (
+        "megatron.core.transformer.dot_product_attention",
+        "megatron.core.models.backends",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+        "megatron.core.models.bert.bert_layer_specs",
+        "megatron.core.models.bert.bert_model",
+        "megatron.core.models.T5.t5_spec",
+        "megatron.core.models.vision.vit_layer_specs",
+        "megatron.core.models.multimodal.llava_spec",
+        "megatron.core.post_training.modelopt.gpt.model_specs",
+        "megatron.core.post_training.modelopt.mamba.model_specs",  # 0.16
+        "megatron.core.post_training.modelopt.hybrid.model_specs",  # 0.19
     ),
     # Class methods, patched on the class that defines them (see lck_megatron.linear_cross_entropy).
     "linear_cross_entropy": (
@@ -118,6 +137,10 @@ def _make_pairs(feature: str, options: dict[str, Any]) -> list[tuple[Any, Any]]:
         from lck_megatron.rms_norm import LckWrappedTorchNorm
 
         return [(_home_value(_NORM_HOME), LckWrappedTorchNorm)]
+    if feature == "attention":
+        from lck_megatron.attention import LckDotProductAttention
+
+        return [(_home_value(_ATTENTION_HOME), LckDotProductAttention)]
     raise AssertionError(feature)
 
 
@@ -153,8 +176,10 @@ def apply_lck_to_megatron(
     swiglu_in_place: bool = False,
     linear_cross_entropy: bool = False,
     moe: bool = False,
+    attention: bool = False,
 ) -> dict[str, list[str]]:
-    """Patch megatron-core so that its RMSNorm, cross-entropy, SwiGLU and output-layer consumers run lck.
+    """Patch megatron-core so that its RMSNorm, cross-entropy, SwiGLU, output-layer and attention consumers
+    run lck.
 
     Args:
         rms_norm: torch RMSNorm built through ``WrappedTorchNorm`` (local specs, final layernorm) →
@@ -170,6 +195,11 @@ def apply_lck_to_megatron(
         moe: Megatron MoE layers built afterwards route their tokens through ``lck_ep.Buffer`` and run their
             local-spec experts (``SequentialMLP``) as lck's grouped experts, keeping Megatron's parameters;
             configurations lck does not take stay Megatron's with one logged reason (:mod:`lck_megatron.moe`).
+        attention: the local specs' ``DotProductAttention`` → :class:`~lck_megatron.attention.LckDotProductAttention`
+            for layers built afterwards: torch's ``scaled_dot_product_attention`` (flash / cuDNN /
+            memory-efficient kernels on a GPU), same parameters and results; calls it does not take (an
+            explicit mask, packed sequences, attention bias, sliding window, a non-vanilla softmax) run
+            Megatron's forward with one logged reason. TE attention is left alone.
 
     A flag set to False leaves that part as it is (it does not undo an earlier patch; use
     :func:`revert_lck_from_megatron`). Idempotent: applying the same patch again rebinds only consumer
@@ -191,6 +221,7 @@ def apply_lck_to_megatron(
         "swiglu_in_place": swiglu_in_place,
         "linear_cross_entropy": linear_cross_entropy,
         "moe": moe,
+        "attention": attention,
     }
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -245,7 +276,7 @@ def revert_lck_from_megatron() -> list[str]:
 
     Safe to call when nothing is patched (returns ``[]``) and to call twice. Sites that someone else
     changed after lck patched them are left alone, with a warning. Models built while patched keep the
-    modules they were built with (their norms); the output-layer route is gone for every model. Returns
+    modules they were built with (their norms and attention); the output-layer route is gone for every model. Returns
     the restored ``"module.attr"`` sites.
     """
     restored: list[str] = []
