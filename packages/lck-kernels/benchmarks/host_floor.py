@@ -36,6 +36,50 @@ def _touch_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
 
 
+def _timeline(fn_cls, forward, inputs, dy, iters: int = 50) -> dict[str, float]:
+    """Median ms of each part of ``grad(forward(), inputs, dy)`` with the GPU busy: the forward, the gap from
+    calling ``grad`` to the Function's backward starting (on the autograd engine's device thread), the
+    backward body, and the gap from its end to ``grad`` returning."""
+    import statistics
+    import time
+
+    marks: list[float] = []
+    original = fn_cls.backward
+
+    def timed(ctx, *grads):
+        marks.append(time.perf_counter())
+        out = original(ctx, *grads)
+        marks.append(time.perf_counter())
+        return out
+
+    fn_cls.backward = staticmethod(timed)
+    parts: dict[str, list[float]] = {
+        "forward": [],
+        "to backward": [],
+        "backward body": [],
+        "after backward": [],
+    }
+    try:
+        for _ in range(5):
+            torch.autograd.grad(forward(), inputs, dy)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        for _ in range(iters):
+            marks.clear()
+            t0 = time.perf_counter()
+            y = forward()
+            t1 = time.perf_counter()
+            torch.autograd.grad(y, inputs, dy)
+            t2 = time.perf_counter()
+            b0, b1 = marks
+            for key, seconds in zip(parts, (t1 - t0, b0 - t1, b1 - b0, t2 - b1), strict=True):
+                parts[key].append(seconds * 1e3)
+        torch.cuda.synchronize()
+    finally:
+        fn_cls.backward = original
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -47,6 +91,7 @@ def main() -> None:
     from lck_kernels._eager import launch_for, plain_eager, run_direct
     from lck_kernels.rms_norm.checks import check_rms_norm_inputs
     from lck_kernels.rms_norm.launch import launch_fwd
+    from lck_kernels.rms_norm.ops import RMSNormFunction
 
     rows, hidden = 8192, 4096
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -104,6 +149,12 @@ def main() -> None:
         ".to(bf16) of [4096] fp32": lambda: dw.to(torch.bfloat16),
     }
     results = {}
+    timelines = {
+        "lck rms_norm": _timeline(RMSNormFunction, lambda: rms_norm(x, w), (x, w), dy),
+        "empty Function": _timeline(Empty, lambda: Empty.apply(x, w), (x, w), dy),
+    }
+    for name, parts in timelines.items():
+        print(f"timeline {name}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in parts.items()), flush=True)
     for name, fn in steps.items():
         ms = host_ms(fn, iters=50, warmup=5)
         results[name] = ms
@@ -112,7 +163,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.date.today().isoformat()
     path = out / f"host-floor-{gpu_slug()}-{stamp}.json"
-    path.write_text(json.dumps({"provenance": provenance(), "host_ms": results}, indent=1))
+    path.write_text(
+        json.dumps({"provenance": provenance(), "host_ms": results, "timelines_ms": timelines}, indent=1)
+    )
     print("wrote", path)
 
 

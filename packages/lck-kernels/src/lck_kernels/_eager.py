@@ -75,6 +75,29 @@ def run_direct(fn: Callable[..., Any], *args: Any) -> Any:
         _state.direct = False
 
 
+def _c_apply(fn_cls: type) -> Callable[..., Any]:
+    # torch.autograd.Function.apply is a Python wrapper (default-argument binding for setup_context-style
+    # Functions, functorch's dead-wrapper unwrap) around this C classmethod; neither applies to a plain eager
+    # call of a forward(ctx, ...) Function. A torch without it keeps the wrapper.
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = base.__dict__.get("apply") if base is not None else None
+    return raw.__get__(None, fn_cls) if raw is not None else fn_cls.apply
+
+
+def fast_apply(fn_cls: type) -> Callable[..., Any]:
+    """``fn_cls.apply`` for an op's functional API: in a plain eager call (:func:`plain_eager`) the Function
+    runs through the C ``apply`` with its kernels launched directly (one thread-local switch for the whole
+    forward instead of one check per inner op); anything else goes through ``fn_cls.apply`` as usual."""
+    c_apply = _c_apply(fn_cls)
+
+    def apply(*args: Any) -> Any:
+        if _state.direct or plain_eager(args):
+            return run_direct(c_apply, *args)
+        return fn_cls.apply(*args)
+
+    return apply
+
+
 def define_op(
     name: str,
     impl: Callable[..., Any],
@@ -134,9 +157,12 @@ class EagerOp:
         self.op, self._impl, self._mutated = op, impl, mutated
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _state.direct and (kwargs or not EagerOp.direct or not plain_eager(args)):
+        if _state.direct:  # inside a direct call already (e.g. a Function's forward run by fast_apply)
+            out = self._impl(*args, **kwargs)
+        elif kwargs or not EagerOp.direct or not plain_eager(args):
             return self.op(*args, **kwargs)
-        out = run_direct(self._impl, *args)
+        else:
+            out = run_direct(self._impl, *args)
         for i in self._mutated:
             torch.autograd.graph.increment_version(args[i])
         return out

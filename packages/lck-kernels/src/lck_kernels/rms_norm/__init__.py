@@ -30,7 +30,7 @@ import torch
 from lck_kernels._common import FLOAT_DTYPES, check_choice
 from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_inputs
 from lck_kernels.rms_norm.launch import MAX_BLOCK, bwd_config, fwd_config
-from lck_kernels.rms_norm.ops import RMSNormFunction
+from lck_kernels.rms_norm.ops import RMSNormFunction, rms_norm_apply
 
 
 def rms_norm(
@@ -59,7 +59,7 @@ def rms_norm(
     check_rms_norm_inputs("rms_norm", x, weight, eps, offset, casting_mode)
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm: in_place must be a bool, got {type(in_place).__name__}")
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, in_place)
+    return rms_norm_apply(x, weight, float(eps), float(offset), casting_mode, in_place)
 
 
 class LckRMSNorm(torch.nn.Module):

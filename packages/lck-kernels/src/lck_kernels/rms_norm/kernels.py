@@ -4,7 +4,7 @@ The forward normalises a block of rows per program; rows wider than one block (`
 tiled (``TILE_BLOCK`` columns at a time), with two passes over the row (the second from L2). The backward
 makes one pass over ``x`` and ``dy``: a persistent grid of about ``k × SMs`` programs each walks a contiguous
 range of rows and keeps its partial ``dweight`` in fp32 registers; one small reduction over programs
-follows. Tiled rows split it into a row-dot kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
+follows (``_rms_norm_dw_kernel``, which also rounds to the weight's dtype). Tiled rows split it into a row-dot kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
 ``checks.CASTING_MODES`` (0 llama, 1 gemma, 2 none). Nothing here validates input: the ops in
 ``ops.py`` do that before launching.
 """
@@ -188,6 +188,20 @@ def _rms_norm_bwd_tiled_kernel(
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(DT), mask=mask)
         acc += dy * xn
     tl.store(dw_partial_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_dw_kernel(partial_ptr, dw_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dweight = partial.sum(0)`` rounded to ``dweight``'s dtype: one launch where torch took a reduction and a
+    cast (two dispatcher calls and an fp32 temporary on the backward's host path)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for p0 in range(0, n_partials, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < n_partials) & col_mask[None, :]
+        acc += tl.sum(tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(dw_ptr + cols, acc.to(dw_ptr.dtype.element_ty), mask=col_mask)
 
 
 # fmt: on

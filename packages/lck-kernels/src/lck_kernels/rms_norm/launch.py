@@ -13,6 +13,7 @@ from lck_kernels.rms_norm.kernels import (
     _rms_norm_bwd_dot_kernel,
     _rms_norm_bwd_kernel,
     _rms_norm_bwd_tiled_kernel,
+    _rms_norm_dw_kernel,
     _rms_norm_fwd_kernel,
 )
 
@@ -110,8 +111,14 @@ def _bwd_plan(n_rows: int, n_cols: int, element_size: int, casting: int, device:
     return programs, per_program, cdiv(n_cols, block), (dot, tiled)
 
 
+# Columns per program of the dweight reduction over the backward's programs (a few hundred partial rows): 64
+# columns give 64 programs at hidden 4096, each reading 32 partial rows per step.
+DW_BLOCK_N, DW_BLOCK_P = 64, 32
+_DW_SUM = launch_for(_rms_norm_dw_kernel, BLOCK_P=DW_BLOCK_P, BLOCK_N=DW_BLOCK_N, num_warps=4)
+
+
 def launch_bwd(dy2, x2, weight, rstd, dx2, offset, casting) -> torch.Tensor:
-    """Launch the backward; return ``dweight`` (fp32, summed over programs, not yet cast)."""
+    """Launch the backward; return ``dweight`` in ``weight``'s dtype (the programs' fp32 partials summed)."""
     n_rows, n_cols = x2.shape
     programs, per_program, tiles, launches = _bwd_plan(n_rows, n_cols, x2.element_size(), casting, x2.device)
     partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device)
@@ -131,4 +138,6 @@ def launch_bwd(dy2, x2, weight, rstd, dx2, offset, casting) -> torch.Tensor:
             (tiles, programs), dy2, x2, weight, rstd, dot, dx2, partial, n_rows, n_cols,
             per_program, dy2.stride(0), x2.stride(0), dx2.stride(0), offset,
         )  # fmt: skip
-    return partial.sum(0)
+    dw = torch.empty((n_cols,), dtype=weight.dtype, device=x2.device)
+    _DW_SUM((cdiv(n_cols, DW_BLOCK_N),), partial, dw, programs, n_cols)
+    return dw

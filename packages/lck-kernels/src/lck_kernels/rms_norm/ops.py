@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import rows_view
-from lck_kernels._eager import define_op, direct
+from lck_kernels._eager import define_op, direct, fast_apply
 from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_bwd_inputs, check_rms_norm_inputs
 from lck_kernels.rms_norm.launch import launch_bwd, launch_fwd
 
@@ -55,7 +55,7 @@ def _bwd_impl(
     dw = launch_bwd(
         dy.view(-1, n), x.view(-1, n), weight, rstd, dx.view(-1, n), offset, CASTING_MODES.index(casting_mode)
     )
-    return dx, dw.to(weight.dtype)
+    return dx, dw
 
 
 def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
@@ -88,7 +88,7 @@ def _bwd_inplace_impl(
     dw = launch_bwd(
         dy2, x.view(-1, x.shape[-1]), weight, rstd, dy2, offset, CASTING_MODES.index(casting_mode)
     )
-    return dw.to(weight.dtype)
+    return dw
 
 
 def _bwd_inplace_fake(dy, x, weight, rstd, offset, casting_mode):
@@ -127,3 +127,6 @@ class RMSNormFunction(torch.autograd.Function):
         else:
             dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
         return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None, None
+
+
+rms_norm_apply = fast_apply(RMSNormFunction)

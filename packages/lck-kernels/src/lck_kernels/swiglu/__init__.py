@@ -33,7 +33,7 @@ import torch
 from lck_kernels._common import FLOAT_DTYPES
 from lck_kernels.swiglu.checks import check_swiglu_inputs, check_swiglu_packed_inputs
 from lck_kernels.swiglu.launch import elementwise_config
-from lck_kernels.swiglu.ops import SwiGLUFunction, SwiGLUPackedFunction
+from lck_kernels.swiglu.ops import SwiGLUFunction, SwiGLUPackedFunction, swiglu_apply, swiglu_packed_apply
 
 __all__ = [
     "LckSwiGLUMLP",
@@ -56,7 +56,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
     check_swiglu_inputs("swiglu", a, b)
-    return SwiGLUFunction.apply(a, b)
+    return swiglu_apply(a, b)
 
 
 def swiglu_packed(y: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -72,7 +72,7 @@ def swiglu_packed(y: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     check_swiglu_packed_inputs("swiglu_packed", y)
     if not isinstance(in_place, bool):
         raise TypeError(f"swiglu_packed: in_place must be a bool, got {type(in_place).__name__}")
-    return SwiGLUPackedFunction.apply(y, in_place)
+    return swiglu_packed_apply(y, in_place)
 
 
 class LckSwiGLUPacked(torch.nn.Module):

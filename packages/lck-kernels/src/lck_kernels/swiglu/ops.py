@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import rows_view
-from lck_kernels._eager import define_op, direct
+from lck_kernels._eager import define_op, direct, fast_apply
 from lck_kernels.swiglu.checks import (
     check_swiglu_bwd_inputs,
     check_swiglu_inputs,
@@ -185,3 +185,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         ctx.consumed = True
         _swiglu_packed_bwd_(y, dout)
         return y, None
+
+
+swiglu_apply = fast_apply(SwiGLUFunction)
+swiglu_packed_apply = fast_apply(SwiGLUPackedFunction)
