@@ -115,6 +115,7 @@ def test_gpu_demo_megatron_backend(tmp_path) -> None:
     # SwiGLU once per layer, RMSNorm twice per layer + the final one, the output layer and loss once.
     assert calls["swiglu"] == {"lck": shape.layers * steps, "fallback": 0}, calls
     assert calls["rms_norm"] == {"lck": (2 * shape.layers + 1) * steps, "torch": 0}, calls
+    assert calls["attention"] == {"lck": shape.layers * steps, "megatron": 0}, calls
     assert calls["linear_cross_entropy"] == {"lck": steps, "megatron": 0}, calls
     assert calls["cross_entropy"] == {"lck": 0, "fallback": 0}, calls  # the fused route took the loss
     assert payload["summary"]["memory_ratio"] <= 0.75, payload["summary"]

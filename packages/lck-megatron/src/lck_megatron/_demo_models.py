@@ -4,7 +4,8 @@ Two model families, each built twice from the same initial weights:
 - a plain-PyTorch GPT whose norms, SwiGLU MLPs and loss are either torch's or lck's modules (used on the
   CPU, and on a GPU without megatron-core);
 - a Megatron-Core ``GPTModel`` with the local layer spec, built stock or after
-  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True)``.
+  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True,
+  attention=True)``.
 The data is a fixed random Markov chain over the vocabulary (:class:`MarkovChain`): every token has a few
 likely successors, drawn Zipf-distributed, so a small model learns it from the first steps and the loss
 falls from ``ln(vocab)`` to near the chain's entropy within the demo's steps.

@@ -2,7 +2,8 @@
 
 ``lck demo`` (or ``python -m lck_megatron.demo``) picks what the machine can run:
 - a GPU with megatron-core importable: a Megatron-Core ``GPTModel`` (local spec, bf16), stock and after
-  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True)``;
+  ``apply_lck_to_megatron(rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True,
+  attention=True)``;
 - a GPU without megatron-core: a plain-PyTorch GPT with torch modules vs lck's modules (bf16 autocast);
 - no GPU: a tiny plain-PyTorch GPT in float32 on the CPU, with lck's Triton kernels running in Triton's
   interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
@@ -99,7 +100,12 @@ def _run_megatron(shape: Any, data: Any, device: Any, seed: int, progress: Any) 
         del stock
         torch.cuda.empty_cache()
         apply_lck_to_megatron(
-            rms_norm=True, cross_entropy=True, swiglu=True, linear_cross_entropy=True, moe=shape.experts > 0
+            rms_norm=True,
+            cross_entropy=True,
+            swiglu=True,
+            linear_cross_entropy=True,
+            moe=shape.experts > 0,
+            attention=True,
         )
         try:
             patched = build_megatron_gpt(shape, seed)  # the patch must precede the build (norms)
@@ -118,19 +124,27 @@ def _lck_calls(model: Any) -> dict[str, dict[str, int]]:
     from megatron.core import tensor_parallel
     from megatron.core.transformer import mlp
 
+    from lck_megatron.attention import LckDotProductAttention
     from lck_megatron.patch import linear_cross_entropy_route, moe_route
     from lck_megatron.rms_norm import LckMegatronRMSNorm
 
     route = linear_cross_entropy_route()
     moe = moe_route()
     norms = {"lck": 0, "torch": 0}
+    attention = {"lck": 0, "megatron": 0}
     for m in model.modules():
         if isinstance(m, LckMegatronRMSNorm):
-            for k in norms:
-                norms[k] += m.calls[k]
+            counts = norms
+        elif isinstance(m, LckDotProductAttention):
+            counts = attention
+        else:
+            continue
+        for k in counts:
+            counts[k] += m.calls[k]
     return {
         "swiglu": dict(getattr(mlp.bias_swiglu_impl, "calls", {})),
         "rms_norm": norms,
+        "attention": attention,
         "cross_entropy": dict(getattr(tensor_parallel.vocab_parallel_cross_entropy, "calls", {})),
         "linear_cross_entropy": dict(route.calls) if route is not None else {},
         "moe_layers": dict(moe.layers) if moe is not None else {},
