@@ -204,7 +204,7 @@ def test_linear_cross_entropy_wraps_model_methods_and_reverts() -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", ["rms_norm", "cross_entropy", "swiglu", "swiglu_in_place", "linear_cross_entropy"]
+    "flag", ["rms_norm", "cross_entropy", "swiglu", "swiglu_in_place", "linear_cross_entropy", "attention"]
 )
 def test_flags_must_be_bool(flag: str) -> None:
     orig = _originals()
