@@ -5,7 +5,7 @@
 the mean loss and its gradients w.r.t. ``x`` and ``W`` through ``torch.autograd.grad`` (three GEMMs per
 token at best). ``flops`` counts those GEMMs (2·N·H·V each), so ``tflop_per_s`` reads as GEMM efficiency.
 
-Providers: ``lck`` (default 128 MiB chunk budget), ``torch`` (``F.cross_entropy((x @ W.T).float(), t)``,
+Providers: ``lck`` (default 512 MiB chunk budget), ``torch`` (``F.cross_entropy((x @ W.T).float(), t)``,
 the usual eager code), ``torch_compile`` (the same under ``torch.compile``), ``liger``
 (``LigerFusedLinearCrossEntropyLoss``).
 

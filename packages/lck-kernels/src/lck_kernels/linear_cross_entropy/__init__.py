@@ -8,7 +8,7 @@ budget and the precision choices are described in ``launch.py`` (the chunked eng
 backward is a device-side rescale that costs one launch when the incoming gradient is 1; for
 ``reduction="none"`` the forward keeps each token's log-sum-exp and the backward recomputes the logits (four
 GEMMs per token). Inputs that do not require grad skip their GEMMs; without any grad the forward is one GEMM
-per token. Extra memory is the logits chunk (``chunk_bytes``, default 128 MiB) plus ``[tokens]`` float32
+per token. Extra memory is the logits chunk (``chunk_bytes``, default 512 MiB) plus ``[tokens]`` float32
 rows, at any token count. The loss is float32 (``loss_dtype=x.dtype`` rounds it to the input's precision).
 
 ``fused_linear_scaled_cross_entropy``: with ``z = inverse_temperature · (x @ weight.T (+ bias))`` over the
@@ -119,7 +119,8 @@ def fused_linear_cross_entropy(
         class_weight: optional ``[vocab]`` float class weights (``weight`` of ``F.cross_entropy``).
         ignore_index, label_smoothing, lse_square_scale, softcap, reduction, return_z_loss: as in
             :func:`lck_kernels.cross_entropy.cross_entropy`.
-        chunk_bytes: budget of the logits chunk buffer in bytes (default 128 MiB).
+        chunk_bytes: budget of the logits chunk buffer in bytes (default 512 MiB; smaller
+            budgets cost time, see ``launch.DEFAULT_CHUNK_BYTES``).
         max_chunk_tokens: an upper bound on tokens per chunk (e.g. for tests or tuning).
         loss_dtype: ``torch.float32`` (default; the loss is computed in float32) or ``x.dtype`` to have it
             rounded to the input's precision.

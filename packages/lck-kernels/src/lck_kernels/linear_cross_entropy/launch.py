@@ -15,8 +15,8 @@ gradient GEMMs. Two schedules:
   so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
   four GEMMs per token.
 
-Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 128 MiB, gives the chunk length;
-512 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
+Memory: the logits buffer (``plan_chunk_tokens``: a byte budget, default 512 MiB, gives the chunk length;
+2048 tokens at a 128256 bf16 vocabulary) plus float32 rows. It does not grow with the token count beyond
 the ``[tokens]`` rows and the gradients themselves. ``grad_W`` accumulates in ``W``'s dtype through
 ``addmm`` (fp32 inside each GEMM, one rounding per chunk): an fp32 accumulator would add ``4·V·H`` bytes
 (2 GiB at 128256 × 4096), four times the logits budget, for little: measured against float64 on bf16
@@ -46,10 +46,14 @@ from lck_kernels.cross_entropy.launch import (
 
 Tensor = torch.Tensor
 
-# 128 MiB: 512 tokens of bf16 logits at a 128256 vocabulary, a quarter of the 512 MiB this was before; the
-# chunk GEMMs keep 512 rows (grad_W's a K of 512). benchmarks/flce_working_set.py measures the time this
-# costs against larger budgets; chunk_bytes chooses another point.
-DEFAULT_CHUNK_BYTES = 128 * 2**20
+# 512 MiB: 2048 tokens of bf16 logits at a 128256 vocabulary. Smaller budgets cost time because every chunk
+# reads and rewrites all of grad_W (a K of only the chunk's tokens): measured on one H200 (2026-12-02,
+# benchmarks/flce_working_set.py, fwd+bwd back to back, results/flce-working-set-h200-2026-12-02-05b4fd6.json)
+# at 8192x4096->128256, 512 / 256 / 128 / 64 MiB took 38.9 / 40.8 / 44.6 / 54.6 ms (1.00 / 1.05 / 1.15 /
+# 1.40x) with 501 / 251 / 125 / 63 MiB working sets; 8192x2048 1.00 / 1.04 / 1.14 / 1.36x. At 128 MiB the op was
+# slower than torch.compile's (38.3 ms with 3 GiB), so the default keeps the fastest point; chunk_bytes picks
+# a smaller working set.
+DEFAULT_CHUNK_BYTES = 512 * 2**20
 CHUNK_ALIGN = 128  # chunk lengths are multiples of this where possible: whole GEMM tiles
 
 
