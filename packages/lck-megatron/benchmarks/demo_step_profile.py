@@ -85,12 +85,13 @@ def main() -> int:
     from lck_megatron._demo_models import (
         PRESETS,
         MasterWeightAdamW,
+        apply_demo_patch,
         build_megatron_gpt,
         markov_batches,
         megatron_parallel,
         megatron_step_fn,
     )
-    from lck_megatron.patch import apply_lck_to_megatron, revert_lck_from_megatron
+    from lck_megatron.patch import revert_lck_from_megatron
     from lck_runtime.benchmarking import gpu_slug, provenance
 
     shape, _ = PRESETS[args.shape]
@@ -101,13 +102,7 @@ def main() -> int:
     with megatron_parallel(1234):
         for name in ("megatron", "megatron+lck"):
             if name == "megatron+lck":
-                apply_lck_to_megatron(
-                    rms_norm=True,
-                    cross_entropy=True,
-                    swiglu=True,
-                    linear_cross_entropy=True,
-                    moe=shape.experts > 0,
-                )
+                apply_demo_patch(shape)
             try:
                 model = build_megatron_gpt(shape, 1234)
                 opt = MasterWeightAdamW(list(model.parameters()), lr=shape.lr)

@@ -249,6 +249,20 @@ def megatron_parallel(seed: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def apply_demo_patch(shape: ModelShape) -> None:
+    """Patch Megatron as ``lck demo``'s ``megatron+lck`` run does: every lck feature the preset's model uses."""
+    from lck_megatron.patch import apply_lck_to_megatron
+
+    apply_lck_to_megatron(
+        rms_norm=True,
+        cross_entropy=True,
+        swiglu=True,
+        linear_cross_entropy=True,
+        moe=shape.experts > 0,
+        attention=True,
+    )
+
+
 def build_megatron_gpt(shape: ModelShape, seed: int) -> nn.Module:
     """A Megatron ``GPTModel`` (local spec, RMSNorm, SwiGLU through ``bias_swiglu_impl``) on the GPU."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

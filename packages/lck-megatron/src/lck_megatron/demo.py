@@ -89,8 +89,13 @@ def _run_torch(shape: Any, data: Any, device: Any, seed: int, progress: Any) -> 
 def _run_megatron(shape: Any, data: Any, device: Any, seed: int, progress: Any) -> list[RunResult]:
     import torch
 
-    from lck_megatron._demo_models import build_megatron_gpt, megatron_parallel, megatron_step_fn
-    from lck_megatron.patch import apply_lck_to_megatron, revert_lck_from_megatron
+    from lck_megatron._demo_models import (
+        apply_demo_patch,
+        build_megatron_gpt,
+        megatron_parallel,
+        megatron_step_fn,
+    )
+    from lck_megatron.patch import revert_lck_from_megatron
 
     results = []
     with megatron_parallel(seed):
@@ -99,14 +104,7 @@ def _run_megatron(shape: Any, data: Any, device: Any, seed: int, progress: Any) 
         results.append(train("megatron", megatron_step_fn(stock), stock, data, shape, device, progress))
         del stock
         torch.cuda.empty_cache()
-        apply_lck_to_megatron(
-            rms_norm=True,
-            cross_entropy=True,
-            swiglu=True,
-            linear_cross_entropy=True,
-            moe=shape.experts > 0,
-            attention=True,
-        )
+        apply_demo_patch(shape)
         try:
             patched = build_megatron_gpt(shape, seed)  # the patch must precede the build (norms)
             copy_weights(patched, init)

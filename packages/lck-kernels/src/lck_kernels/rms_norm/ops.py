@@ -38,6 +38,15 @@ def _fwd_fake(x, weight, eps, offset, casting_mode):
 _rms_norm_fwd = define_op("lck::rms_norm_fwd", _fwd_impl, fake=_fwd_fake)
 
 
+def _backward(dy2, x, weight, rstd, dx2, offset, casting_mode) -> torch.Tensor:
+    """Both backward ops' launch on row views (``dx2`` is ``dy2`` in place); returns ``dweight``."""
+    if rstd.shape[0] == 0:
+        return torch.zeros_like(weight)
+    return launch_bwd(
+        dy2, x.view(-1, x.shape[-1]), weight, rstd, dx2, offset, CASTING_MODES.index(casting_mode)
+    )
+
+
 def _bwd_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -49,13 +58,8 @@ def _bwd_impl(
     if not direct():  # a direct call comes from RMSNormFunction's backward, on tensors the forward checked
         check_rms_norm_bwd_inputs("lck::rms_norm_bwd", dy, x, weight, rstd, casting_mode)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rstd.shape[0] == 0:
-        return dx, torch.zeros_like(weight)
     n = x.shape[-1]
-    dw = launch_bwd(
-        dy.view(-1, n), x.view(-1, n), weight, rstd, dx.view(-1, n), offset, CASTING_MODES.index(casting_mode)
-    )
-    return dx, dw
+    return dx, _backward(dy.view(-1, n), x, weight, rstd, dx.view(-1, n), offset, casting_mode)
 
 
 def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
@@ -83,12 +87,7 @@ def _bwd_inplace_impl(
         raise ValueError(
             f"{op}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); cannot write dx into it"
         )
-    if rstd.shape[0] == 0:
-        return torch.zeros_like(weight)
-    dw = launch_bwd(
-        dy2, x.view(-1, x.shape[-1]), weight, rstd, dy2, offset, CASTING_MODES.index(casting_mode)
-    )
-    return dw
+    return _backward(dy2, x, weight, rstd, dy2, offset, casting_mode)
 
 
 def _bwd_inplace_fake(dy, x, weight, rstd, offset, casting_mode):
