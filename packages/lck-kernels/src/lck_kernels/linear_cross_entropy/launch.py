@@ -5,11 +5,11 @@ dtype (cuBLAS: bf16/fp16 in, fp32 accumulation, rounded once on output). The cro
 ``lck_kernels.cross_entropy`` read that buffer and overwrite it with ``∂L/∂logits``, which then feeds the two
 gradient GEMMs. Two schedules:
 
-- **gradients in the forward** (``forward_with_grads``; reductions ``sum``/``mean``): per chunk, logits →
-  loss and gradient → ``grad_x[chunk] = dlogits·W``, ``grad_W += dlogitsᵀ·x[chunk]``, ``grad_b += Σ_rows
-  dlogits``. Three GEMMs per token, no second pass: the backward only multiplies the finished gradients
+- **gradients in the forward** (``forward_chunked`` with ``needs``; reductions ``sum``/``mean``): per
+  chunk, logits → loss and gradient → ``grad_x[chunk] = dlogits·W``, ``grad_W += dlogitsᵀ·x[chunk]``,
+  ``grad_b += Σ_rows dlogits``. Three GEMMs per token, no second pass: the backward only multiplies the finished gradients
   by the (scalar) incoming gradient, on the device, exiting at once when it is 1.
-- **recompute** (``forward_stats`` + ``backward_recompute``; ``reduction="none"``, and the scaled op's
+- **recompute** (``forward_chunked`` + ``backward_recompute``; ``reduction="none"``, and the scaled op's
   lse/entropy outputs when they receive gradients): the
   incoming gradient is one value per token and is known only in the backward, and ``grad_W`` mixes tokens,
   so the forward keeps only each token's log-sum-exp (and entropy) and the backward recomputes the logits:
@@ -32,6 +32,8 @@ The ops and their ``torch.autograd.Function``s are in ``ops.py``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -182,9 +184,43 @@ def _accumulate_grads(
         grad_b32 += dlogits.sum(0, dtype=torch.float32)
 
 
-def _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b):
-    """``run_chunks`` with each chunk's gradient GEMMs after its row pass; ``grad_w`` is zeroed when there
-    are no tokens (no first chunk writes it)."""
+class ChunkedProblem(NamedTuple):
+    """One fused linear cross entropy, as both schedules see it: ``x`` ``[N, H]``, ``weight`` ``[V, H]``,
+    ``target`` ``[N]``, optional ``bias`` and ``class_weight`` ``[V]``, the loss options, the reduction and
+    the tokens per chunk (``plan_chunk_tokens``)."""
+
+    x: Tensor
+    weight: Tensor
+    target: Tensor
+    bias: Tensor | None
+    class_weight: Tensor | None
+    opts: CEOptions
+    reduction: str
+    chunk: int
+
+    def reduction_terms(self) -> Tensor:
+        """``launch_reduction``'s device-side denominators over the non-ignored targets."""
+        mean = self.reduction == "mean"
+        return launch_reduction(
+            self.target,
+            self.class_weight,
+            self.weight.shape[0],
+            self.opts.ignore_index,
+            mean=mean,
+            wrap=False,
+        )
+
+
+def _run_with_grads(p: ChunkedProblem, row_kernel, needs: tuple[bool, bool, bool]):
+    """``run_chunks`` with each chunk's gradient GEMMs after its row pass: ``(grad_x, grad_w, grad_b)`` for
+    ``needs = (need_x, need_w, need_b)``, unneeded ones empty. ``grad_b`` accumulates in float32 and takes
+    the bias's dtype at the end; ``grad_w`` is zeroed when there are no tokens (no first chunk writes it)."""
+    x, weight, bias = p.x, p.weight, p.bias
+    need_x, need_w, need_b = needs
+    dev = x.device
+    grad_x = torch.empty(x.shape if need_x else (0,), dtype=x.dtype, device=dev)
+    grad_w = torch.empty(weight.shape if need_w else (0,), dtype=weight.dtype, device=dev)
+    grad_b32 = torch.zeros(weight.shape[0] if need_b else 0, dtype=torch.float32, device=dev)
 
     def gemms(s, e, logits):
         _accumulate_grads(
@@ -192,66 +228,27 @@ def _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32
             grad_b32 if need_b else None,
         )  # fmt: skip
 
-    run_chunks(x, weight, bias, chunk, row_kernel, gemms)
+    run_chunks(x, weight, bias, p.chunk, row_kernel, gemms)
     if need_w and x.shape[0] == 0:
         grad_w.zero_()
+    b_dtype = bias.dtype if bias is not None else torch.float32
+    return grad_x, grad_w, grad_b32.to(b_dtype) if need_b else grad_b32.new_empty(0, dtype=b_dtype)
 
 
-def _grad_buffers(x, weight, bias, need_x: bool, need_w: bool, need_b: bool):
-    dev = x.device
-    grad_x = torch.empty(x.shape if need_x else (0,), dtype=x.dtype, device=dev)
-    grad_w = torch.empty(weight.shape if need_w else (0,), dtype=weight.dtype, device=dev)
-    grad_b32 = torch.zeros(weight.shape[0] if need_b else 0, dtype=torch.float32, device=dev)
-    return grad_x, grad_w, grad_b32
+def forward_chunked(
+    p: ChunkedProblem, *, entropy: bool, needs: tuple[bool, bool, bool] | None = None
+) -> tuple[Tensor, ...]:
+    """Both forward schedules.
 
-
-def _finish_bias(grad_b32: torch.Tensor, bias: torch.Tensor | None, need_b: bool) -> torch.Tensor:
-    dtype = bias.dtype if bias is not None else torch.float32
-    return grad_b32.to(dtype) if need_b else grad_b32.new_empty(0, dtype=dtype)
-
-
-def forward_with_grads(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    opts: CEOptions,
-    reduction: str,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-    chunk: int,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """(loss, z_loss, lse, entropy, grad_x, grad_w, grad_b) for reduction ``sum``/``mean``: float32 losses,
-    the per-token lse and (when ``entropy``, else empty) entropy rows, and the gradients of the reduced loss
-    (unneeded ones empty). ``x``: ``[N, H]``, ``weight``: ``[V, H]``, ``target``: ``[N]``."""
-    needs = (need_x, need_w, need_b)
-    return _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, needs)
-
-
-def forward_stats(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    opts: CEOptions,
-    reduction: str,
-    entropy: bool,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, lse, entropy) in float32 without gradients; ``entropy`` is empty unless asked for."""
-    return _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, None)
-
-
-def _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, chunk, needs):
-    """Both forward schedules: ``needs`` is None (row statistics only, one GEMM per token) or ``(need_x,
-    need_w, need_b)`` (the row pass overwrites each logits chunk with its gradient, which feeds the gradient
-    GEMMs right away)."""
-    n, v, dev = x.shape[0], weight.shape[0], x.device
-    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
+    Without ``needs`` (the recompute schedule's forward, one GEMM per token): ``(loss, z_loss, lse,
+    entropy)``, float32, ``entropy`` empty unless asked for. With ``needs = (need_x, need_w, need_b)``
+    (reduction ``sum``/``mean``): the row pass overwrites each logits chunk with its gradient, which feeds the
+    gradient GEMMs right away, and ``(grad_x, grad_w, grad_b)`` of the reduced loss follow (unneeded ones
+    empty).
+    """
+    x, target, class_weight, opts = p.x, p.target, p.class_weight, p.opts
+    n, dev = x.shape[0], x.device
+    red = p.reduction_terms()
     ce, lse, zl = _rows(n, dev), _rows(n, dev), _rows(n, dev, opts.lse_square_scale > 0)
     ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=dev)
     # The row kernel marks each row's applied scale; the fused schedule rescales whole buffers instead.
@@ -265,14 +262,12 @@ def _forward(x, weight, target, bias, class_weight, opts, reduction, entropy, ch
             wrap=False,
         )  # fmt: skip
 
-    grads: tuple[torch.Tensor, ...] = ()
+    grads: tuple[Tensor, ...] = ()
     if needs is None:
-        run_chunks(x, weight, bias, chunk, row_kernel)
+        run_chunks(x, p.weight, p.bias, p.chunk, row_kernel)
     else:
-        grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, *needs)
-        _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, *needs)
-        grads = (grad_x, grad_w, _finish_bias(grad_b32, bias, needs[2]))
-    loss, z = finalize_loss(ce, zl, red, reduction)
+        grads = _run_with_grads(p, row_kernel, needs)
+    loss, z = finalize_loss(ce, zl, red, p.reduction)
     return (loss, z, lse, ent, *grads)
 
 
@@ -281,41 +276,28 @@ def _row_slice(g: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
 
 
 def backward_recompute(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    opts: CEOptions,
-    reduction: str,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    g_loss: torch.Tensor | None,
-    g_lse: torch.Tensor | None,
-    g_entropy: torch.Tensor | None,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p: ChunkedProblem,
+    needs: tuple[bool, bool, bool],
+    saved: tuple[Tensor, Tensor | None],
+    upstream: tuple[Tensor | None, Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_w, grad_b) of ``Σ g_loss·loss + g_lse·lse + g_entropy·H`` by recomputing the logits.
 
-    ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``; ``g_lse``/``g_entropy`` are ``[N]``
-    or ``None``. Unneeded gradients come back empty.
+    ``saved`` is the forward's ``(lse, entropy)`` rows (``entropy`` may be None); ``upstream`` is
+    ``(g_loss, g_lse, g_entropy)``: ``g_loss`` is 0-D for ``sum``/``mean`` or ``[N]`` for ``none``,
+    ``g_lse``/``g_entropy`` are ``[N]`` or ``None``. Unneeded gradients come back empty.
     """
-    v = weight.shape[0]
-    red = launch_reduction(target, class_weight, v, opts.ignore_index, mean=reduction == "mean", wrap=False)
-    grad_x, grad_w, grad_b32 = _grad_buffers(x, weight, bias, need_x, need_w, need_b)
+    (lse, entropy), (g_loss, g_lse, g_entropy) = saved, upstream
+    red = p.reduction_terms()
 
     def row_kernel(s, e, logits):
         launch_bwd(
-            logits, logits, target[s:e], class_weight, red, opts, lse=lse[s:e],
+            logits, logits, p.target[s:e], p.class_weight, red, p.opts, lse=lse[s:e],
             entropy=entropy[s:e] if entropy is not None else None, g_loss=_row_slice(g_loss, s, e),
             g_lse=_row_slice(g_lse, s, e), g_entropy=_row_slice(g_entropy, s, e), wrap=False,
         )  # fmt: skip
 
-    _run_with_grads(x, weight, bias, chunk, row_kernel, grad_x, grad_w, grad_b32, need_x, need_w, need_b)
-    return grad_x, grad_w, _finish_bias(grad_b32, bias, need_b)
+    return _run_with_grads(p, row_kernel, needs)
 
 
 def empty_grads(x, weight, bias, need_x, need_w, need_b):

@@ -25,10 +25,10 @@ from lck_kernels.linear_cross_entropy.checks import (
     check_op_scalars,
 )
 from lck_kernels.linear_cross_entropy.launch import (
+    ChunkedProblem,
     backward_recompute,
     empty_grads,
-    forward_stats,
-    forward_with_grads,
+    forward_chunked,
 )
 
 Tensor = torch.Tensor
@@ -61,7 +61,8 @@ def lce_stats(
     check_linear_inputs(op, x, weight, target, bias, class_weight)
     check_op_scalars(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_tokens)
     opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap, inverse_temperature)
-    return forward_stats(x, weight, target, bias, class_weight, opts, reduction, return_entropy, chunk_tokens)
+    problem = ChunkedProblem(x, weight, target, bias, class_weight, opts, reduction, chunk_tokens)
+    return forward_chunked(problem, entropy=return_entropy)
 
 
 @lce_stats.register_fake
@@ -116,10 +117,8 @@ def lce_bwd(
     if any(s != n for s in sizes):
         raise ValueError(f"{op}: per-token tensors must have {n} rows (x's), got {sizes}")
     opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap, inverse_temperature)
-    return backward_recompute(
-        x, weight, target, bias, class_weight, opts, reduction, lse, entropy, g_loss, g_lse, g_entropy,
-        need_x, need_w, need_b, chunk_tokens,
-    )  # fmt: skip
+    problem = ChunkedProblem(x, weight, target, bias, class_weight, opts, reduction, chunk_tokens)
+    return backward_recompute(problem, (need_x, need_w, need_b), (lse, entropy), (g_loss, g_lse, g_entropy))
 
 
 @lce_bwd.register_fake
@@ -205,9 +204,8 @@ def _flce_fwd(
     if reduction == "none":
         raise ValueError(f"{op}: reduction='none' takes the recompute schedule (lck::linear_cross_entropy_*)")
     opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
-    loss, z, _, _, gx, gw, gb = forward_with_grads(
-        x, weight, target, bias, class_weight, opts, reduction, need_x, need_w, need_b, chunk_tokens
-    )
+    problem = ChunkedProblem(x, weight, target, bias, class_weight, opts, reduction, chunk_tokens)
+    loss, z, _, _, gx, gw, gb = forward_chunked(problem, entropy=False, needs=(need_x, need_w, need_b))
     return loss, z, gx, gw, gb, torch.ones(1, dtype=torch.float32, device=x.device)
 
 
@@ -316,8 +314,9 @@ def _flsce_fwd(
     if reduction == "none":
         raise ValueError(f"{op}: reduction='none' takes the recompute schedule (lck::linear_cross_entropy_*)")
     opts = CEOptions(ignore_index, 0.0, 0.0, 0.0, inverse_temperature)
-    nll, _, lse, entropy, gx, gw, gb = forward_with_grads(
-        x, weight, target, bias, None, opts, reduction, need_x, need_w, need_b, chunk_tokens, return_entropy
+    problem = ChunkedProblem(x, weight, target, bias, None, opts, reduction, chunk_tokens)
+    nll, _, lse, entropy, gx, gw, gb = forward_chunked(
+        problem, entropy=return_entropy, needs=(need_x, need_w, need_b)
     )
     return nll, lse, entropy, gx, gw, gb, torch.ones(1, dtype=torch.float32, device=x.device)
 
