@@ -89,9 +89,8 @@ def cross_entropy(
     dtype, device, shape, stride or option.
     """
     op = "cross_entropy"
-    check_cross_entropy_inputs(
-        op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction
-    )
+    check_cross_entropy_inputs(op, logits, target, weight)
+    check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
     for name, flag in (("return_z_loss", return_z_loss), ("in_place", in_place)):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")

@@ -82,23 +82,15 @@ def check_class_weight(
 
 
 def check_cross_entropy_inputs(
-    op: str,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float | None,
-    reduction: str,
+    op: str, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None
 ) -> None:
+    """The tensors of ``cross_entropy`` and its ops; the scalar options go to :func:`check_loss_options`."""
     check_tensor(op, "logits", logits, ndim=2, last_dim_contiguous=True)
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits has shape {tuple(logits.shape)}; expected at least one class")
     check_target(op, target, logits.shape[0], expected="logits")
     check_same_device(op, logits=logits, target=target)
     check_class_weight(op, "weight", weight, logits.shape[1], logits)
-    check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
 
 
 def unpack_saved_gradient(ctx, op: str) -> tuple[torch.Tensor, ...]:

@@ -6,7 +6,7 @@ Ops (``triton_op`` on GPUs, so ``torch.compile(fullgraph=True)`` traces into the
 ``lck::cross_entropy_bwd_`` (the ``none`` backward, into a new buffer or the logits).
 
 Every op validates its inputs before it launches anything; ``cross_entropy`` runs the same
-``check_cross_entropy_inputs`` before autograd. The ``torch.autograd.Function``s wiring the ops are at the end.
+``check_cross_entropy_inputs`` and ``check_loss_options`` before autograd. The ``torch.autograd.Function``s wiring the ops are at the end.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import check_tensor
-from lck_kernels._eager import define_op, direct
-from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, unpack_saved_gradient
+from lck_kernels._eager import EagerOp, define_op, direct
+from lck_kernels.cross_entropy.checks import (
+    check_cross_entropy_inputs,
+    check_loss_options,
+    unpack_saved_gradient,
+)
 from lck_kernels.cross_entropy.launch import (
     CEOptions,
     finalize_loss,
@@ -30,15 +34,18 @@ from lck_kernels.cross_entropy.launch import (
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _forward(
-    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, grad
-):
+def _check_inputs(op: str, logits, target, weight, opts: CEOptions, reduction: str) -> None:
+    check_cross_entropy_inputs(op, logits, target, weight)
+    softcap = opts.softcap or None  # the ops take 0 for no cap
+    check_loss_options(op, opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, softcap, reduction)
+
+
+def _forward(logits, target, weight, opts: CEOptions, reduction: str, grad):
     n, v = logits.shape
-    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
-    red = launch_reduction(target, weight, v, ignore_index, mean=reduction == "mean", wrap=True)
+    red = launch_reduction(target, weight, v, opts.ignore_index, mean=reduction == "mean", wrap=True)
     ce = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    zl = torch.empty(n, dtype=torch.float32, device=logits.device) if lse_square_scale > 0 else None
+    zl = torch.empty(n, dtype=torch.float32, device=logits.device) if opts.lse_square_scale > 0 else None
     applied = torch.empty(n if grad is not None else 0, dtype=torch.float32, device=logits.device)
     launch_fwd(
         logits, target, weight, red, opts, loss=ce, lse=lse, zloss=zl, grad=grad,
@@ -60,16 +67,11 @@ def _fwd_impl(
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, lse, grad, applied); ``grad``/``applied`` are empty unless ``compute_grad``."""
+    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
     if not direct():  # a direct call comes from cross_entropy or its autograd, after the same check
-        check_cross_entropy_inputs(
-            "lck::cross_entropy_fwd", logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
-            softcap or None, reduction,
-        )  # fmt: skip
+        _check_inputs("lck::cross_entropy_fwd", logits, target, weight, opts, reduction)
     grad = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
-    loss, z, lse, applied = _forward(
-        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-        grad if compute_grad else None,
-    )  # fmt: skip
+    loss, z, lse, applied = _forward(logits, target, weight, opts, reduction, grad if compute_grad else None)
     return loss, z, lse, grad, applied
 
 
@@ -117,13 +119,11 @@ def _fwd_inplace_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, lse, applied); ``logits`` is overwritten with the gradient."""
     op = "lck::cross_entropy_fwd_"
-    options = (ignore_index, label_smoothing, lse_square_scale, softcap or None, reduction)
+    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
     if not direct():
-        check_cross_entropy_inputs(op, logits, target, weight, *options)
+        _check_inputs(op, logits, target, weight, opts, reduction)
     _check_overwritable(op, logits)
-    return _forward(
-        logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, logits
-    )
+    return _forward(logits, target, weight, opts, reduction, logits)
 
 
 def _fwd_inplace_fake(
@@ -169,46 +169,8 @@ cross_entropy_rescale_ = define_op(
 )
 
 
-def _backward(
-    op,
-    logits,
-    grad,
-    target,
-    weight,
-    lse,
-    grad_output,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-):
-    v = logits.shape[1]
-    if not direct():  # a direct call comes from CrossEntropyRowsFunction.backward, on what its forward saw
-        _check_backward_inputs(
-            op,
-            logits,
-            target,
-            weight,
-            lse,
-            grad_output,
-            ignore_index,
-            label_smoothing,
-            lse_square_scale,
-            softcap,
-        )
-    red = launch_reduction(target, weight, v, ignore_index, mean=False, wrap=True)
-    launch_bwd(
-        logits, grad, target, weight, red, CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap),
-        lse=lse, entropy=None, g_loss=grad_output, g_lse=None, g_entropy=None, wrap=True,
-    )  # fmt: skip
-
-
-def _check_backward_inputs(
-    op, logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
-):
-    check_cross_entropy_inputs(
-        op, logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap or None, "none"
-    )
+def _check_backward_inputs(op, logits, target, weight, lse, grad_output, opts: CEOptions) -> None:
+    _check_inputs(op, logits, target, weight, opts, "none")
     n = logits.shape[0]
     check_tensor(op, "lse", lse, dtypes=(torch.float32,), ndim=1)
     check_tensor(op, "grad_output", grad_output, ndim=1)
@@ -219,64 +181,45 @@ def _check_backward_inputs(
         )
 
 
-def _bwd_impl(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    lse: torch.Tensor,
-    grad_output: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """``∂(Σ grad_output·loss)/∂logits`` for ``reduction="none"`` from the saved per-row lse."""
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _backward(
-        "lck::cross_entropy_bwd", logits, grad, target, weight, lse, grad_output, ignore_index, label_smoothing,
-        lse_square_scale, softcap,
-    )  # fmt: skip
-    return grad
+def _define_bwd(name: str, in_place: bool) -> EagerOp:
+    """``lck::cross_entropy_bwd`` (the gradient into a new buffer) or, ``in_place``, ``lck::cross_entropy_bwd_``
+    (the gradient over ``logits``): the same parameters and body but for where the gradient goes."""
+
+    def impl(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None,
+        lse: torch.Tensor,
+        grad_output: torch.Tensor,
+        ignore_index: int,
+        label_smoothing: float,
+        lse_square_scale: float,
+        softcap: float,
+    ):
+        """``∂(Σ grad_output·loss)/∂logits`` for ``reduction="none"`` from the saved per-row lse."""
+        if in_place:
+            _check_overwritable(name, logits)
+        opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
+        if not direct():  # a direct call comes from CrossEntropyRowsFunction.backward, on what it saved
+            _check_backward_inputs(name, logits, target, weight, lse, grad_output, opts)
+        grad = logits if in_place else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        red = launch_reduction(target, weight, logits.shape[1], ignore_index, mean=False, wrap=True)
+        launch_bwd(
+            logits, grad, target, weight, red, opts, lse=lse, entropy=None, g_loss=grad_output, g_lse=None,
+            g_entropy=None, wrap=True,
+        )  # fmt: skip
+        return None if in_place else grad
+
+    def fake(logits, *rest):
+        return None if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    # torch reads the op's schema from the annotations: the in-place op returns nothing.
+    impl.__annotations__["return"] = "None" if in_place else "torch.Tensor"
+    return define_op(name, impl, mutates_args=("logits",) if in_place else (), fake=fake)
 
 
-def _bwd_fake(
-    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
-):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-cross_entropy_bwd = define_op("lck::cross_entropy_bwd", _bwd_impl, fake=_bwd_fake)
-
-
-def _bwd_inplace_impl(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    lse: torch.Tensor,
-    grad_output: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-) -> None:
-    """As ``lck::cross_entropy_bwd``, writing the gradient over ``logits``."""
-    op = "lck::cross_entropy_bwd_"
-    _check_overwritable(op, logits)
-    _backward(
-        op, logits, logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale,
-        softcap,
-    )  # fmt: skip
-
-
-def _bwd_inplace_fake(
-    logits, target, weight, lse, grad_output, ignore_index, label_smoothing, lse_square_scale, softcap
-):
-    return None
-
-
-cross_entropy_bwd_ = define_op(
-    "lck::cross_entropy_bwd_", _bwd_inplace_impl, mutates_args=("logits",), fake=_bwd_inplace_fake
-)
+cross_entropy_bwd = _define_bwd("lck::cross_entropy_bwd", in_place=False)
+cross_entropy_bwd_ = _define_bwd("lck::cross_entropy_bwd_", in_place=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
