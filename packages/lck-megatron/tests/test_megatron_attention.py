@@ -168,15 +168,42 @@ def _padding_mask() -> torch.Tensor:
     return mask
 
 
+def _causal_mask() -> torch.Tensor:
+    return torch.ones(SQ, SQ, dtype=torch.bool).triu(1).view(1, 1, SQ, SQ)
+
+
+@pytest.mark.parametrize(
+    "mask_type,mask",
+    [("padding", _padding_mask()), ("causal", _causal_mask()), ("causal", _causal_mask() | _padding_mask())],
+    ids=["padding", "causal-type-with-causal-mask", "causal-and-padding"],
+)
+def test_explicit_boolean_masks_match_megatron(on_cpu: None, mask_type: str, mask: torch.Tensor) -> None:
+    """Megatron-LM's data loader hands every layer a boolean mask (True = masked); Megatron's unfused softmax
+    applies it instead of the mask type, and so does lck (as SDPA's additive mask, built once per mask)."""
+    from lck_megatron import attention
+
+    stock, lck = _pair(transformer_config(), mask_type)
+    qkv = _qkv(SQ, SQ, 4, 4)
+    dout = torch.randn(SQ, B, 4 * HN)
+    want = _run(stock, qkv, dout, mask)
+    got = _run(lck, qkv, dout, mask)
+    _compare(got, want, torch.float32, "lck vs megatron")
+    assert lck.calls == {"lck": 1, "megatron": 0}
+    cached = attention.additive_mask(mask, torch.float32)
+    assert cached is attention.additive_mask(mask, torch.float32), "one additive mask per mask tensor"
+    assert torch.equal(cached, torch.zeros(mask.shape).masked_fill(mask, -10000.0))
+    del mask, cached
+    assert attention._additive[0] is not None  # the parametrize list still holds the mask object
+
+
 @pytest.mark.parametrize(
     "mask,cfg,args,reason",
     [
-        ("padding", {}, (_padding_mask(),), "explicit attention_mask"),
-        ("causal", {}, (torch.ones(SQ, SQ, dtype=torch.bool).triu(1).view(1, 1, SQ, SQ),), "explicit"),
+        ("causal", {}, (_causal_mask().view(SQ, SQ),), "attention_mask is not a boolean"),
         ("causal", {"window_size": (4, 0)}, (None,), "sliding-window"),
         ("causal", {"softmax_type": "off-by-one"}, (None,), "softmax_type"),
     ],
-    ids=["padding-mask", "causal-with-mask", "sliding-window", "off-by-one"],
+    ids=["2-d-mask", "sliding-window", "off-by-one"],
 )
 def test_what_lck_does_not_take_runs_megatron(
     on_cpu: None, monkeypatch: pytest.MonkeyPatch, caplog, mask, cfg, args, reason
@@ -278,8 +305,9 @@ def test_gpt_model_with_patched_attention_matches_stock(on_cpu: None, groups: in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [8, 2], ids=["mha", "gqa"])
-@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask", "explicit"])
 def test_bf16_on_gpu_matches_megatron_and_float64(megatron_tp1: None, mask: str, groups: int) -> None:
+    """``explicit``: a causal module given Megatron-LM's boolean causal mask (the memory-efficient kernel)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -288,8 +316,10 @@ def test_bf16_on_gpu_matches_megatron_and_float64(megatron_tp1: None, mask: str,
     config = transformer_config(
         torch.bfloat16, num_attention_heads=8, num_query_groups=groups, kv_channels=64, hidden_size=512
     )
-    stock, lck = (m.cuda() for m in _pair(config, mask))
+    stock, lck = (m.cuda() for m in _pair(config, "causal" if mask == "explicit" else mask))
     sq = 256
+    given = torch.ones(sq, sq, dtype=torch.bool, device="cuda").triu(1).view(1, 1, sq, sq)
+    explicit = given if mask == "explicit" else None
     qkv = _qkv(sq, sq, 8, groups, torch.bfloat16, "cuda", hn=64)
     dout = torch.randn(sq, B, 8 * 64, device="cuda", dtype=torch.bfloat16)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -297,11 +327,11 @@ def test_bf16_on_gpu_matches_megatron_and_float64(megatron_tp1: None, mask: str,
     # Without the math backend: a fused kernel must take the call (the scores are never materialised).
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(fused):
-        got = _run(lck, qkv, dout, None)
-    want = _run(stock, qkv, dout, None)
+        got = _run(lck, qkv, dout, explicit)
+    want = _run(stock, qkv, dout, explicit)
     assert lck.calls == {"lck": 1, "megatron": 0}
     assert got["output"].dtype == torch.bfloat16 and got["output"].shape == (sq, B, 512)
-    ref = _reference([t.cpu() for t in qkv], dout.cpu(), 1 / 8, mask == "causal")
+    ref = _reference([t.cpu() for t in qkv], dout.cpu(), 1 / 8, mask != "no_mask")
     _compare(got, ref, torch.bfloat16, "lck vs float64")
     _compare(want, ref, torch.bfloat16, "megatron vs float64")
     _compare(got, want, torch.bfloat16, "lck vs megatron", scale=2.0)
