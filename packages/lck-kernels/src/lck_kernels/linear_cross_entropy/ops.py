@@ -132,6 +132,13 @@ def _(x, weight, target, bias, class_weight, lse, entropy, g_loss, g_lse, g_entr
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _input_grads(grads, needs, n_options: int) -> tuple:
+    """A Function's backward result for ``(x, weight, target, bias, *options)``: each of ``grads`` (x, weight,
+    bias) where ``needs`` (their first three entries) asks for it, None for the target and the options."""
+    (gx, gw, gb), (nx, nw, nb) = grads, needs[:3]
+    return (gx if nx else None, gw if nw else None, None, gb if nb else None) + (None,) * n_options
+
+
 class LinearCrossEntropyRecomputeFunction(torch.autograd.Function):
     """Forward keeps lse (and entropy); backward recomputes the logits. Outputs: loss, z, lse, entropy."""
 
@@ -172,7 +179,7 @@ class LinearCrossEntropyRecomputeFunction(torch.autograd.Function):
             x, weight, target, bias, class_weight, lse, entropy if ent else None, g_loss, g_lse,
             g_entropy if ent else None, *ctx.options, nx, nw, nb, chunk,
         )  # fmt: skip
-        return (gx if nx else None, gw if nw else None, None, gb if nb else None) + (None,) * 12
+        return _input_grads((gx, gw, gb), ctx.needs, 12)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,8 +288,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_z):
         gx, gw, gb, applied = unpack_saved_gradient(ctx, "fused_linear_cross_entropy")
         _flce_rescale_(gx, gw, gb, applied, g_loss)
-        nx, nw, nb = ctx.needs
-        return (gx if nx else None, gw if nw else None, None, gb if nb else None) + (None,) * 10
+        return _input_grads((gx, gw, gb), ctx.needs, 10)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -362,8 +368,7 @@ class FusedLinearScaledCrossEntropyFunction(torch.autograd.Function):
                 ii, 0.0, 0.0, 0.0, inv_t, reduction, nx, nw, nb, chunk,
             )  # fmt: skip
             grads = [e if g is None else g + e for g, e in zip(grads, extra)]
-        gx, gw, gb = grads
-        return (gx if nx else None, gw if nw else None, None, gb if nb else None) + (None,) * 8
+        return _input_grads(grads, ctx.needs, 8)
 
 
 # Plain eager calls run the bodies above directly (the dispatcher's custom-op autograd and alias checks cost
