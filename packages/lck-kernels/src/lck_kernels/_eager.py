@@ -127,6 +127,28 @@ def define_op(
     return EagerOp(op, impl, tuple(params.index(m) for m in mutates))
 
 
+def define_op_pair(
+    name: str,
+    body: Callable[[str, bool], Callable[..., Any]],
+    fake: Callable[[str, bool], Callable[..., Any]],
+    *,
+    mutates: str,
+    returns: tuple[str, str],
+) -> tuple[EagerOp, EagerOp]:
+    """An out-of-place op ``name`` and its in-place twin ``name + "_"`` (which overwrites argument
+    ``mutates``) from one body: ``body(op_name, in_place)`` and ``fake(op_name, in_place)`` return the two
+    implementations, with the same annotated parameters; ``returns`` are the two return annotations (torch
+    reads each op's schema from them)."""
+    ops = []
+    for in_place in (False, True):
+        op_name = name + "_" if in_place else name
+        impl = body(op_name, in_place)
+        impl.__annotations__["return"] = returns[in_place]
+        mutated = (mutates,) if in_place else ()
+        ops.append(define_op(op_name, impl, mutates_args=mutated, fake=fake(op_name, in_place)))
+    return ops[0], ops[1]
+
+
 def eager(op: Any, mutates_args: Iterable[str] = ()) -> Any:
     """An existing ``torch.library.custom_op`` as an :class:`EagerOp` (its Python body runs directly in
     plain eager calls), or the op itself on a torch whose custom ops do not expose their body."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import check_tensor
-from lck_kernels._eager import EagerOp, define_op, direct
+from lck_kernels._eager import define_op, define_op_pair, direct
 from lck_kernels.cross_entropy.checks import (
     check_cross_entropy_inputs,
     check_loss_options,
@@ -181,9 +181,9 @@ def _check_backward_inputs(op, logits, target, weight, lse, grad_output, opts: C
         )
 
 
-def _define_bwd(name: str, in_place: bool) -> EagerOp:
+def _bwd_body(name: str, in_place: bool):
     """``lck::cross_entropy_bwd`` (the gradient into a new buffer) or, ``in_place``, ``lck::cross_entropy_bwd_``
-    (the gradient over ``logits``): the same parameters and body but for where the gradient goes."""
+    (the gradient over ``logits``)."""
 
     def impl(
         logits: torch.Tensor,
@@ -210,16 +210,19 @@ def _define_bwd(name: str, in_place: bool) -> EagerOp:
         )  # fmt: skip
         return None if in_place else grad
 
+    return impl
+
+
+def _bwd_fake(name: str, in_place: bool):
     def fake(logits, *rest):
         return None if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
 
-    # torch reads the op's schema from the annotations: the in-place op returns nothing.
-    impl.__annotations__["return"] = "None" if in_place else "torch.Tensor"
-    return define_op(name, impl, mutates_args=("logits",) if in_place else (), fake=fake)
+    return fake
 
 
-cross_entropy_bwd = _define_bwd("lck::cross_entropy_bwd", in_place=False)
-cross_entropy_bwd_ = _define_bwd("lck::cross_entropy_bwd_", in_place=True)
+cross_entropy_bwd, cross_entropy_bwd_ = define_op_pair(
+    "lck::cross_entropy_bwd", _bwd_body, _bwd_fake, mutates="logits", returns=("torch.Tensor", "None")
+)
 
 
 # ---------------------------------------------------------------------------------------------------------

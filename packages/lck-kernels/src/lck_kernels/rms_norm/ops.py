@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import rows_view
-from lck_kernels._eager import define_op, direct, fast_apply
+from lck_kernels._eager import define_op, define_op_pair, direct, fast_apply
 from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_bwd_inputs, check_rms_norm_inputs
 from lck_kernels.rms_norm.launch import launch_bwd, launch_fwd
 
@@ -38,65 +38,58 @@ def _fwd_fake(x, weight, eps, offset, casting_mode):
 _rms_norm_fwd = define_op("lck::rms_norm_fwd", _fwd_impl, fake=_fwd_fake)
 
 
-def _backward(dy2, x, weight, rstd, dx2, offset, casting_mode) -> torch.Tensor:
-    """Both backward ops' launch on row views (``dx2`` is ``dy2`` in place); returns ``dweight``."""
-    if rstd.shape[0] == 0:
-        return torch.zeros_like(weight)
-    return launch_bwd(
-        dy2, x.view(-1, x.shape[-1]), weight, rstd, dx2, offset, CASTING_MODES.index(casting_mode)
-    )
+def _bwd_body(name: str, in_place: bool):
+    """``lck::rms_norm_bwd`` (``dx`` into a new buffer; returns ``(dx, dweight)``) or, ``in_place``,
+    ``lck::rms_norm_bwd_`` (``dx`` over ``dy``, whose rows must not overlap; returns ``dweight``)."""
+
+    def impl(
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        offset: float,
+        casting_mode: str,
+    ):
+        if (
+            not direct()
+        ):  # a direct call comes from RMSNormFunction's backward, on tensors the forward checked
+            check_rms_norm_bwd_inputs(name, dy, x, weight, rstd, casting_mode)
+        n = x.shape[-1]
+        if in_place:
+            dy2 = rows_view(name, "dy", dy)
+            if dy2.shape[0] > 1 and dy2.stride(0) < dy2.shape[1]:
+                raise ValueError(
+                    f"{name}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); cannot write dx into it"
+                )
+            dx = dx2 = dy2
+        else:
+            dy2 = dy.view(-1, n)
+            dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            dx2 = dx.view(-1, n)
+        if rstd.shape[0] == 0:
+            dw = torch.zeros_like(weight)
+        else:
+            dw = launch_bwd(dy2, x.view(-1, n), weight, rstd, dx2, offset, CASTING_MODES.index(casting_mode))
+        return dw if in_place else (dx, dw)
+
+    return impl
 
 
-def _bwd_impl(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    offset: float,
-    casting_mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not direct():  # a direct call comes from RMSNormFunction's backward, on tensors the forward checked
-        check_rms_norm_bwd_inputs("lck::rms_norm_bwd", dy, x, weight, rstd, casting_mode)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n = x.shape[-1]
-    return dx, _backward(dy.view(-1, n), x, weight, rstd, dx.view(-1, n), offset, casting_mode)
+def _bwd_fake(name: str, in_place: bool):
+    def fake(dy, x, weight, rstd, offset, casting_mode):
+        check_rms_norm_bwd_inputs(name, dy, x, weight, rstd, casting_mode)
+        dw = torch.empty_like(weight)
+        return dw if in_place else (torch.empty_like(x, memory_format=torch.contiguous_format), dw)
+
+    return fake
 
 
-def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
-    check_rms_norm_bwd_inputs("lck::rms_norm_bwd", dy, x, weight, rstd, casting_mode)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
-
-
-_rms_norm_bwd = define_op("lck::rms_norm_bwd", _bwd_impl, fake=_bwd_fake)
-
-
-def _bwd_inplace_impl(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    offset: float,
-    casting_mode: str,
-) -> torch.Tensor:
-    """Writes ``dx`` into ``dy`` (which must not have overlapping rows); returns ``dweight``."""
-    op = "lck::rms_norm_bwd_"
-    if not direct():
-        check_rms_norm_bwd_inputs(op, dy, x, weight, rstd, casting_mode)
-    dy2 = rows_view(op, "dy", dy)
-    if dy2.shape[0] > 1 and dy2.stride(0) < dy2.shape[1]:
-        raise ValueError(
-            f"{op}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); cannot write dx into it"
-        )
-    return _backward(dy2, x, weight, rstd, dy2, offset, casting_mode)
-
-
-def _bwd_inplace_fake(dy, x, weight, rstd, offset, casting_mode):
-    check_rms_norm_bwd_inputs("lck::rms_norm_bwd_", dy, x, weight, rstd, casting_mode)
-    return torch.empty_like(weight)
-
-
-_rms_norm_bwd_ = define_op(
-    "lck::rms_norm_bwd_", _bwd_inplace_impl, mutates_args=("dy",), fake=_bwd_inplace_fake
+_rms_norm_bwd, _rms_norm_bwd_ = define_op_pair(
+    "lck::rms_norm_bwd",
+    _bwd_body,
+    _bwd_fake,
+    mutates="dy",
+    returns=("tuple[torch.Tensor, torch.Tensor]", "torch.Tensor"),
 )
 
 
