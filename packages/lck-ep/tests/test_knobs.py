@@ -43,22 +43,20 @@ def test_all_knobs_together_in_table_order() -> None:
     assert list(read_knobs(env).defines().items()) == [(n, VALID[n][0]) for n in NAMES]
 
 
-@pytest.mark.parametrize(
-    ("name", "raw", "fragment"),
-    [
-        ("EP_NUM_SUB_PARTS", "0", "out of range"),
-        ("EP_NUM_SUB_PARTS", "17", "[1, 16]"),
-        ("EP_NUM_SUB_PARTS", "-2", "out of range"),
-        ("EP_NUM_SUB_PARTS", "two", "not an integer"),
-        ("EP_NUM_SUB_PARTS", "2.0", "not an integer"),
-        ("EP_NUM_SUB_PARTS", "0x2", "not an integer"),
-        ("EP_MIN_SUB_TOKENS", "0", "[1, 65536]"),
-        ("EP_MIN_SUB_TOKENS", "65537", "out of range"),
-        ("EP_SM100_MIN_SUB_TOKENS", "0", "out of range"),
-        ("EP_SM100_MIN_SUB_TOKENS", "1e3", "not an integer"),
-        ("EP_NUM_TOPK_IDX_BITS", "24", "one of 8, 16, 32, 64"),
-        ("EP_NUM_TOPK_IDX_BITS", "0", "one of 8, 16, 32, 64"),
+# Per knob: (raw value, fragment the error must contain).
+BAD = {
+    "EP_NUM_SUB_PARTS": [
+        ("0", "out of range"), ("17", "[1, 16]"), ("-2", "out of range"),
+        ("two", "not an integer"), ("2.0", "not an integer"), ("0x2", "not an integer"),
     ],
+    "EP_MIN_SUB_TOKENS": [("0", "[1, 65536]"), ("65537", "out of range")],
+    "EP_SM100_MIN_SUB_TOKENS": [("0", "out of range"), ("1e3", "not an integer")],
+    "EP_NUM_TOPK_IDX_BITS": [("24", "one of 8, 16, 32, 64"), ("0", "one of 8, 16, 32, 64")],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "fragment"), [(name, raw, frag) for name, cases in BAD.items() for raw, frag in cases]
 )
 def test_bad_values_are_refused_naming_the_variable(name: str, raw: str, fragment: str) -> None:
     with pytest.raises(KnobError) as info:
