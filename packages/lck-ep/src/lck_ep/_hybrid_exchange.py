@@ -27,7 +27,7 @@ from lck_ep.hybrid import (
     read_hybrid_options,
 )
 from lck_ep.knobs import read_knobs
-from lck_ep.native import NativeEp, NativeTimeoutError, meta_offset
+from lck_ep.native import NativeEp, NativeTimeoutError, OutgoingPartials, OutgoingRows, meta_offset
 from lck_runtime.jit import I32, I64, U64, Ptr
 
 __all__ = ["HybridEp"]
@@ -136,18 +136,8 @@ class HybridEp(NativeEp):
         )
 
     # -- the two sending launches ---------------------------------------------------------------------
-    def send_rows(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        send_slot: torch.Tensor,
-        rows_to: torch.Tensor,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        num_local_experts: int,
-        num_sms: int,
-        timeout_ns: int,
-    ) -> None:
+    def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
+        x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
         plan = self.plan(num_sms)
         lay = self.layout
         t = mask.shape[0]
@@ -207,14 +197,7 @@ class HybridEp(NativeEp):
         )
         self.launches["dispatch"] += 1
 
-    def send_partials(
-        self,
-        partial: torch.Tensor,
-        recv_counts: torch.Tensor,
-        recv_starts: torch.Tensor,
-        num_sms: int,
-        timeout_ns: int,
-    ) -> None:
+    def send_partials(self, sent: OutgoingPartials, num_sms: int, timeout_ns: int) -> None:
         plan = self.plan(num_sms)
         lay = self.layout
         opt = self.options
@@ -222,15 +205,7 @@ class HybridEp(NativeEp):
             plan.channels,
             _THREADS,
             [
-                partial,
-                I64(partial.shape[1] * partial.element_size()),
-                I64(partial.shape[0]),
-                recv_counts,
-                recv_starts,
-                self.peer_ws,
-                self.peer_sig,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
+                *self.partials_args(sent),
                 I64(self.hybrid_base),
                 I32(self.size),
                 I32(self.me),

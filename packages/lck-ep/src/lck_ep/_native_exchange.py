@@ -20,7 +20,7 @@ from lck_ep.checks import CombinePlan, DispatchPlan
 from lck_ep.expanded import ExpandedMaps, expanded_capacity
 from lck_ep.handle import DispatchHandle
 from lck_ep.layout import DispatchLayout
-from lck_ep.native import NativeEp
+from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows
 
 __all__ = ["combine", "dispatch", "replay"]
 
@@ -66,10 +66,8 @@ def dispatch(
     else:
         m = expanded_capacity(rows, plan.num_topk, big_l, a)
     with torch.cuda.device(dev):
-        st.send_rows(
-            plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights, big_l,
-            buf.num_sms, buf.timeout_ns,
-        )  # fmt: skip
+        sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
+        st.send_rows(sent, big_l, buf.num_sms, buf.timeout_ns)
         out = _receive(buf, rows, True, plan.topk_weights is not None)
         # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps).
         hist = (
@@ -144,10 +142,8 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
     st: NativeEp = buf._native
     st.raise_if_failed()
     with torch.cuda.device(buf.device):
-        st.send_rows(
-            x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None, buf.num_local_experts,
-            buf.num_sms, buf.timeout_ns,
-        )  # fmt: skip
+        sent = OutgoingRows(x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None)
+        st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
         out = _receive(buf, h.num_recv_rows, False, False)
         st.receive(
             row_bytes=_row_bytes(x), rows=h.num_recv_rows, num_topk=h.num_topk, has_meta=False,
@@ -176,7 +172,9 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
             st.reduce_expanded(plan.x.contiguous(), index, w, partial)
         partial = partial.contiguous()
-        st.send_partials(partial, h.recv_counts_device, h.recv_starts, buf.num_sms, buf.timeout_ns)
+        st.send_partials(
+            OutgoingPartials(partial, h.recv_counts_device, h.recv_starts), buf.num_sms, buf.timeout_ns
+        )
         out = torch.empty(h.num_tokens, buf.hidden, dtype=partial.dtype, device=buf.device)
         st.reduce_partials(
             partial,

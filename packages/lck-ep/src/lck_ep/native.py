@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -153,6 +153,25 @@ def load_kernels(
     return kernels
 
 
+class OutgoingRows(NamedTuple):
+    """What one dispatch or replay sends: the rows, where each goes, and their routing (None on a replay)."""
+
+    x: torch.Tensor  # [T, H] rows
+    mask: torch.Tensor  # [T, W] bool: row t goes to group rank w
+    send_slot: torch.Tensor  # [T, W] int64 slots (send_slots)
+    rows_to: torch.Tensor  # [W] rows per destination
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+
+
+class OutgoingPartials(NamedTuple):
+    """What one combine sends back: the partial rows and where each source's rows start among them."""
+
+    partial: torch.Tensor  # [R, H] partial rows, in the order they were received
+    recv_counts: torch.Tensor  # [W] rows from each source
+    recv_starts: torch.Tensor  # [W] first row of each source
+
+
 class NativeEp:
     """The native state of one MoE context on this rank; get it with :meth:`for_context`."""
 
@@ -229,20 +248,10 @@ class NativeEp:
             self.kernels["ep_send_slots"].launch(w, _THREADS, [mask, I32(t), I32(w), slot])
         return slot
 
-    def send_rows(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        send_slot: torch.Tensor,
-        rows_to: torch.Tensor,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        num_local_experts: int,
-        num_sms: int,
-        timeout_ns: int,
-    ) -> None:
-        """Store ``x``'s rows (bytes; :func:`row_fits` checked by the caller) into the destinations'
-        regions, their routing at :func:`meta_offset` of the row's bytes."""
+    def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
+        """Store the rows (bytes; :func:`row_fits` checked by the caller) into the destinations' regions,
+        their routing at :func:`meta_offset` of the row's bytes."""
+        x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
         lay = self.layout
         k = topk_idx.shape[1] if topk_idx is not None else 0
         self.kernels["ep_dispatch_send"].launch(
@@ -420,28 +429,29 @@ class NativeEp:
             ],
         )
 
-    def send_partials(
-        self,
-        partial: torch.Tensor,
-        recv_counts: torch.Tensor,
-        recv_starts: torch.Tensor,
-        num_sms: int,
-        timeout_ns: int,
-    ) -> None:
+    def partials_args(self, sent: OutgoingPartials) -> list:
+        """The leading launch arguments of every combine-send kernel (this one and the hybrid pair's): the
+        partial rows, where each source's rows start, and the peers' regions."""
+        partial, recv_counts, recv_starts = sent
         lay = self.layout
+        return [
+            partial,
+            I64(partial.shape[1] * partial.element_size()),
+            I64(partial.shape[0]),
+            recv_counts,
+            recv_starts,
+            self.peer_ws,
+            self.peer_sig,
+            I64(lay.region_bytes),
+            I64(lay.row_stride),
+        ]
+
+    def send_partials(self, sent: OutgoingPartials, num_sms: int, timeout_ns: int) -> None:
         self.kernels["ep_combine_send"].launch(
             num_sms,
             _THREADS,
             [
-                partial,
-                I64(partial.shape[1] * partial.element_size()),
-                I64(partial.shape[0]),
-                recv_counts,
-                recv_starts,
-                self.peer_ws,
-                self.peer_sig,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
+                *self.partials_args(sent),
                 I32(self.size),
                 I32(self.me),
                 self.done[2:3],
