@@ -2,11 +2,13 @@
 
 For each ``chunk_bytes`` budget, one forward+backward of ``fused_linear_cross_entropy`` (reduction mean; the
 gradients-in-the-forward schedule) and of ``fused_linear_scaled_cross_entropy`` (reduction sum, what
-lck-megatron's output-layer route runs), back to back through ``torch.autograd.grad``: median time, and the
-peak memory beyond the inputs and the gradients (the working set: the ``[chunk, vocab]`` logits buffer plus
-per-token rows). Shapes: 8192×4096→128256 (the issue's anchor) and 8192×2048→128256 (the demo's output
-layer), bf16. Prints a table with each budget's time relative to 512 MiB and writes
-``flce-working-set-<gpu>-<date>.json`` into ``--out`` (default ``$OUT`` or the current folder).
+lck-megatron's output-layer route runs) through ``torch.autograd.grad``, timed as every benchmark here is
+(``lck_runtime.benchmarking``): GPU ms (calls queued behind a spin), host ms (the cost of enqueuing one) and
+loop ms (calls back to back, what a training loop sees); and the peak memory beyond the inputs and the
+gradients (the working set: the ``[chunk, vocab]`` logits buffer plus per-token rows). Shapes:
+8192×4096→128256 (the issue's anchor) and 8192×2048→128256 (the demo's output layer), bf16. Prints a table
+with each budget's loop time relative to the first budget's and writes ``flce-working-set-<gpu>-<date>.json``
+(with provenance) into ``--out`` (default ``$OUT`` or the current folder).
 
     python packages/lck-kernels/benchmarks/flce_working_set.py [--budgets 512 256 128 64] [--iters 20]
 """
@@ -14,30 +16,17 @@ layer), bf16. Prints a table with each budget's time relative to 512 MiB and wri
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from lck_runtime.benchmarking import gpu_slug, host_ms, provenance, time_cuda, time_loop
+
 SHAPES = ((8192, 4096, 128256), (8192, 2048, 128256))
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _extra_peak(fn, grads_bytes: int) -> int:
@@ -77,21 +66,25 @@ def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int) -> list[
             def step(mib: int = mib, op=op):
                 return torch.autograd.grad(op(mib), (x, w))
 
-            ms = _time(step, iters)
+            gpu = statistics.median(time_cuda(step, warmup=3, iters=iters))
+            host = host_ms(step, iters=10, warmup=2)
+            loop = time_loop(step, iters=iters, warmup=2)
             extra = _extra_peak(step, grads_bytes)
-            base_ms = ms if base_ms is None else base_ms
+            base_ms = loop if base_ms is None else base_ms
             row = {
                 "op": name,
                 "shape": f"{n}x{h}x{v}",
                 "chunk_mib": mib,
-                "median_ms": ms,
-                "relative_to_first": ms / base_ms,
+                "gpu_ms": gpu,
+                "host_ms": host,
+                "loop_ms": loop,
+                "loop_relative_to_first": loop / base_ms,
                 "extra_peak_mib": extra / 2**20,
             }
             rows.append(row)
             print(
-                f"{name:<40} {row['shape']:<18} chunk {mib:>4} MiB  {ms:8.2f} ms  "
-                f"({row['relative_to_first']:.3f}x)  working set {row['extra_peak_mib']:7.1f} MiB",
+                f"{name:<40} {row['shape']:<18} chunk {mib:>4} MiB  GPU {gpu:7.2f} ms  loop {loop:7.2f} ms "
+                f"({row['loop_relative_to_first']:.3f}x)  working set {row['extra_peak_mib']:7.1f} MiB",
                 flush=True,
             )
     return rows
@@ -108,17 +101,9 @@ def main() -> int:
     for n, h, v in SHAPES:
         rows += _shape_rows(n, h, v, args.budgets, args.iters)
         torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
-    out = args.out / f"flce-working-set-{gpu}-{time.strftime('%Y-%m-%d')}.json"
+    out = args.out / f"flce-working-set-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "rows": rows,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": os.environ.get("LCK_COMMIT", "unknown"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -50,11 +50,13 @@ Tensor = torch.Tensor
 
 # 512 MiB: 2048 tokens of bf16 logits at a 128256 vocabulary. Smaller budgets cost time because every chunk
 # reads and rewrites all of grad_W (a K of only the chunk's tokens): measured on one H200 (2026-12-02,
-# benchmarks/flce_working_set.py, fwd+bwd back to back, results/flce-working-set-h200-2026-12-02-05b4fd6.json)
-# at 8192x4096->128256, 512 / 256 / 128 / 64 MiB took 38.9 / 40.8 / 44.6 / 54.6 ms (1.00 / 1.05 / 1.15 /
-# 1.40x) with 501 / 251 / 125 / 63 MiB working sets; 8192x2048 1.00 / 1.04 / 1.14 / 1.36x. At 128 MiB the op was
-# slower than torch.compile's (38.3 ms with 3 GiB), so the default keeps the fastest point; chunk_bytes picks
-# a smaller working set.
+# benchmarks/flce_working_set.py at 05b4fd6, one fwd+bwd at a time between CUDA events, so neither GPU nor
+# loop time; results/flce-working-set-h200-2026-12-02-05b4fd6.json) at 8192x4096->128256, 512 / 256 / 128 /
+# 64 MiB took 38.9 / 40.8 / 44.6 / 54.6 ms (1.00 / 1.05 / 1.15 / 1.40x) with 501 / 251 / 125 / 63 MiB working
+# sets; 8192x2048 1.00 / 1.04 / 1.14 / 1.36x. At 128 MiB the op was slower than torch.compile's (38.3 ms with
+# 3 GiB), so the default keeps the fastest point; chunk_bytes picks a smaller working set. At the default,
+# loop time is 35.96 ms for 34.48 ms of GPU time (host-overhead-h200-2026-12-02-a8708de); the script now
+# reports GPU, host and loop time for every budget, not yet re-run.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 CHUNK_ALIGN = 128  # chunk lengths are multiples of this where possible: whole GEMM tiles
 
