@@ -49,7 +49,13 @@ from __future__ import annotations
 import torch
 
 from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, check_loss_dtype, check_loss_options
-from lck_kernels.cross_entropy.ops import CrossEntropyFunction, CrossEntropyRowsFunction, cross_entropy_fwd
+from lck_kernels.cross_entropy.ops import (
+    CrossEntropyFunction,
+    CrossEntropyRowsFunction,
+    cross_entropy_apply,
+    cross_entropy_fwd,
+    cross_entropy_rows_apply,
+)
 
 
 def cross_entropy(
@@ -100,9 +106,9 @@ def cross_entropy(
     if not (torch.is_grad_enabled() and logits.requires_grad):
         loss, z, _, _, _ = cross_entropy_fwd(*args, False)
     elif reduction == "none":
-        loss, z = CrossEntropyRowsFunction.apply(*args[:-1], in_place)
+        loss, z = cross_entropy_rows_apply(*args[:-1], in_place)
     else:
-        loss, z = CrossEntropyFunction.apply(*args, in_place)
+        loss, z = cross_entropy_apply(*args, in_place)
     loss = loss.to(loss_dtype)
     return (loss, z.to(loss_dtype)) if return_z_loss else loss
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import check_tensor
-from lck_kernels._eager import define_op, define_op_pair, direct
+from lck_kernels._eager import define_op, define_op_pair, direct, fast_apply
 from lck_kernels.cross_entropy.checks import (
     check_cross_entropy_inputs,
     check_loss_options,
@@ -286,3 +286,7 @@ class CrossEntropyRowsFunction(torch.autograd.Function):
         else:
             grad = cross_entropy_bwd(logits, target, weight, lse, grad_loss, *ctx.options)
         return grad, None, None, None, None, None, None, None
+
+
+cross_entropy_apply = fast_apply(CrossEntropyFunction)
+cross_entropy_rows_apply = fast_apply(CrossEntropyRowsFunction)

@@ -67,6 +67,9 @@ from lck_kernels.linear_cross_entropy.ops import (
     FusedLinearCrossEntropyFunction,
     FusedLinearScaledCrossEntropyFunction,
     LinearCrossEntropyRecomputeFunction,
+    flce_apply,
+    flsce_apply,
+    lce_recompute_apply,
     lce_stats,
 )
 
@@ -148,13 +151,11 @@ def fused_linear_cross_entropy(
     if not (nx or nw or nb):
         loss, z, _, _ = lce_stats(x2, weight, t1, bias, class_weight, *options, 1.0, reduction, False, chunk)
     elif reduction == "none":
-        loss, z, _, _ = LinearCrossEntropyRecomputeFunction.apply(
+        loss, z, _, _ = lce_recompute_apply(
             x2, weight, t1, bias, class_weight, *options, 1.0, reduction, False, nx, nw, nb, chunk
         )
     else:
-        loss, z = FusedLinearCrossEntropyFunction.apply(
-            x2, weight, t1, bias, class_weight, *options, reduction, nx, nw, nb, chunk
-        )
+        loss, z = flce_apply(x2, weight, t1, bias, class_weight, *options, reduction, nx, nw, nb, chunk)
     if reduction == "none":
         loss, z = loss.view(target.shape), z.view(target.shape)
     loss = loss.to(loss_dtype)
@@ -263,11 +264,9 @@ def fused_linear_scaled_cross_entropy(
     if not (nx or nw or nb):
         nll, _, lse, entropy = lce_stats(*args, return_entropy, chunk)
     elif reduction == "none":
-        nll, _, lse, entropy = LinearCrossEntropyRecomputeFunction.apply(
-            *args, return_entropy, nx, nw, nb, chunk
-        )
+        nll, _, lse, entropy = lce_recompute_apply(*args, return_entropy, nx, nw, nb, chunk)
     else:
-        nll, lse, entropy = FusedLinearScaledCrossEntropyFunction.apply(
+        nll, lse, entropy = flsce_apply(
             x2, weight, t1, bias, ignore_index, tau, reduction, return_entropy, nx, nw, nb, chunk
         )
     # lse and entropy do not depend on the target; zeroing ignored tokens (and so their gradients) keeps

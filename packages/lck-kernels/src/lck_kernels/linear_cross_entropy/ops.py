@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from lck_kernels._common import check_tensor
-from lck_kernels._eager import eager
+from lck_kernels._eager import eager, fast_apply
 from lck_kernels.cross_entropy.checks import unpack_saved_gradient
 from lck_kernels.cross_entropy.launch import CEOptions, launch_rescale_flat
 from lck_kernels.linear_cross_entropy.checks import (
@@ -378,3 +378,8 @@ lce_bwd = eager(lce_bwd)
 _flce_fwd = eager(_flce_fwd)
 _flce_rescale_ = eager(_flce_rescale_, ("grad_x", "grad_w", "grad_b", "applied"))
 _flsce_fwd = eager(_flsce_fwd)
+
+
+lce_recompute_apply = fast_apply(LinearCrossEntropyRecomputeFunction)
+flce_apply = fast_apply(FusedLinearCrossEntropyFunction)
+flsce_apply = fast_apply(FusedLinearScaledCrossEntropyFunction)

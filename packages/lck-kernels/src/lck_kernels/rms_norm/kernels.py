@@ -4,7 +4,8 @@ The forward normalises a block of rows per program; rows wider than one block (`
 tiled (``TILE_BLOCK`` columns at a time), with two passes over the row (the second from L2). The backward
 makes one pass over ``x`` and ``dy``: a persistent grid of about ``k × SMs`` programs each walks a contiguous
 range of rows and keeps its partial ``dweight`` in fp32 registers; one small reduction over programs
-follows (``_rms_norm_dw_kernel``, which also rounds to the weight's dtype). Tiled rows split it into a row-dot kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
+follows (``_rms_norm_dw_kernel``, which also rounds to the weight's dtype). Tiled rows split it into a row-dot
+kernel and a column-tiled ``dx``/``dweight`` kernel. ``CASTING`` is the index of the casting mode in
 ``checks.CASTING_MODES`` (0 llama, 1 gemma, 2 none). Nothing here validates input: the ops in
 ``ops.py`` do that before launching.
 """

@@ -50,16 +50,16 @@ def _bwd_body(name: str, in_place: bool):
         offset: float,
         casting_mode: str,
     ):
-        if (
-            not direct()
-        ):  # a direct call comes from RMSNormFunction's backward, on tensors the forward checked
+        # A direct call comes from RMSNormFunction's backward, on tensors the forward checked.
+        if not direct():
             check_rms_norm_bwd_inputs(name, dy, x, weight, rstd, casting_mode)
         n = x.shape[-1]
         if in_place:
             dy2 = rows_view(name, "dy", dy)
             if dy2.shape[0] > 1 and dy2.stride(0) < dy2.shape[1]:
                 raise ValueError(
-                    f"{name}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); cannot write dx into it"
+                    f"{name}: dy rows overlap (row stride {dy2.stride(0)} < {dy2.shape[1]}); "
+                    "cannot write dx into it"
                 )
             dx = dx2 = dy2
         else:
