@@ -16,8 +16,8 @@ own forward, with one log line per reason for the whole process.
 An explicit mask goes to SDPA as an additive ``-10000`` where masked (Megatron's ``masked_fill`` value; the
 memory-efficient kernel takes it, flash does not), built once per mask tensor: every layer of a step gets the
 same one. A row whose every key is masked differs: Megatron averages all values there, SDPA weighs them by
-the unmasked scores (both finite; such rows are padding, outside any loss). (Context parallelism never reaches the forward: Megatron's
-constructor rejects ``context_parallel_size > 1`` for this module.)
+the unmasked scores (both finite; such rows are padding, outside any loss). Context parallelism never
+reaches the forward: Megatron's constructor rejects ``context_parallel_size > 1`` for this module.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ class LckDotProductAttention(DotProductAttention):
 
     Call: ``query`` ``[sq, b, np, hn]``, ``key`` / ``value`` ``[sk, b, ng, hn]`` with ``ng`` dividing ``np``
     (grouped-query attention), ``attention_mask`` None or boolean (see the module docstring). Returns
-    ``[sq, b, np * hn]``, contiguous, in the query's dtype, like Megatron. The softmax scale is Megatron's net scale: ``softmax_scale`` (the
-    constructor's, i.e. ``config.softmax_scale``) or ``1 / sqrt(hn)``; ``apply_query_key_layer_scaling``
-    divides the scores by the layer number and multiplies them back in the softmax, so it cancels.
+    ``[sq, b, np * hn]``, contiguous, in the query's dtype, like Megatron. The softmax scale is Megatron's
+    net scale: ``softmax_scale`` (the constructor's, i.e. ``config.softmax_scale``) or ``1 / sqrt(hn)``;
+    ``apply_query_key_layer_scaling`` divides the scores by the layer number and multiplies them back in the
+    softmax, so it cancels.
     Attention dropout (``attention_dropout``) applies in training only, drawn under Megatron's
     model-parallel RNG tracker as Megatron's is (same distribution, not the same mask).
 

@@ -192,16 +192,19 @@ def _rms_norm_bwd_tiled_kernel(
 
 
 @triton.jit
-def _rms_norm_dw_kernel(partial_ptr, dw_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``dweight = partial.sum(0)`` rounded to ``dweight``'s dtype: one launch where torch took a reduction and a
-    cast (two dispatcher calls and an fp32 temporary on the backward's host path)."""
+def _rms_norm_dw_kernel(
+    partial_ptr, dw_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``dweight = partial.sum(0)`` rounded to ``dweight``'s dtype: one launch where torch took a reduction
+    and a cast (two dispatcher calls and an fp32 temporary on the backward's host path)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for p0 in range(0, n_partials, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         mask = (rows[:, None] < n_partials) & col_mask[None, :]
-        acc += tl.sum(tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0)
+        block = tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(block, axis=0)
     tl.store(dw_ptr + cols, acc.to(dw_ptr.dtype.element_ty), mask=col_mask)
 
 
