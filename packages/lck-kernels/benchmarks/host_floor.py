@@ -9,7 +9,8 @@ GPU kept busy, so only the host's enqueue cost is timed), at RMSNorm 8192x4096 b
 - torch's ``F.rms_norm`` fwd+bwd, and a single torch op (``x * 2``) through ``torch.autograd.grad``;
 - an empty ``torch.autograd.Function`` (an ``empty_like`` each way) through ``Function.apply`` and through
   the C ``apply`` directly; the same with one pre-bound Triton launch each way;
-- lck's ``rms_norm`` fwd+bwd and forward alone, and the pieces of its path one by one.
+- lck's ``rms_norm`` fwd+bwd (the C++ autograd Function of ``lck_kernels._host`` when it is built) and
+  forward alone, the Python ``autograd.Function`` path, and the pieces of that path one by one.
 
 Prints a table and writes ``host-floor-<gpu>-<date>.json`` with provenance.
 """
@@ -91,7 +92,10 @@ def main() -> None:
     from lck_kernels._eager import launch_for, plain_eager, run_direct
     from lck_kernels.rms_norm.checks import check_rms_norm_inputs
     from lck_kernels.rms_norm.launch import launch_fwd
-    from lck_kernels.rms_norm.ops import RMSNormFunction
+    from lck_kernels.rms_norm.ops import RMSNormFunction, rms_norm_apply
+
+    def py_rms_norm(x, w):  # the Python autograd.Function path (what rms_norm ran before the C++ one)
+        return rms_norm_apply(x, w, 1e-6, 0.0, "llama", False)
 
     rows, hidden = 8192, 4096
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -139,6 +143,7 @@ def main() -> None:
         "one launch each way, C apply, pre-bound": one_launch_direct,
         "lck rms_norm fwd+bwd": lambda: grad(rms_norm(x, w), (x, w), dy),
         "lck rms_norm fwd, no grad": lambda: rms_norm(xd, w.detach()),
+        "lck rms_norm fwd+bwd, Python Function": lambda: grad(py_rms_norm(x, w), (x, w), dy),
         "check_rms_norm_inputs": lambda: check_rms_norm_inputs("rms_norm", x, w, 1e-6, 0.0, "llama"),
         "plain_eager((x, w))": lambda: plain_eager((x, w)),
         "torch.empty_like(x)": lambda: torch.empty_like(xd),
@@ -150,7 +155,7 @@ def main() -> None:
     }
     results = {}
     timelines = {
-        "lck rms_norm": _timeline(RMSNormFunction, lambda: rms_norm(x, w), (x, w), dy),
+        "lck rms_norm, Python Function": _timeline(RMSNormFunction, lambda: py_rms_norm(x, w), (x, w), dy),
         "empty Function": _timeline(Empty, lambda: Empty.apply(x, w), (x, w), dy),
     }
     for name, parts in timelines.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from lck_kernels import _host
 from lck_kernels._common import FLOAT_DTYPES, check_choice
 from lck_kernels.rms_norm.checks import CASTING_MODES, check_rms_norm_inputs
 from lck_kernels.rms_norm.launch import MAX_BLOCK, bwd_config, fwd_config
@@ -59,6 +60,10 @@ def rms_norm(
     check_rms_norm_inputs("rms_norm", x, weight, eps, offset, casting_mode)
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm: in_place must be a bool, got {type(in_place).__name__}")
+    if x.is_cuda and (host := _host.ready(x, weight)) is not None:  # the C++ autograd Function
+        return host.rms_norm(
+            x, weight, float(eps), float(offset), CASTING_MODES.index(casting_mode), in_place
+        )
     return rms_norm_apply(x, weight, float(eps), float(offset), casting_mode, in_place)
 
 

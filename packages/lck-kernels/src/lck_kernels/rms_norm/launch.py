@@ -141,3 +141,21 @@ def launch_bwd(dy2, x2, weight, rstd, dx2, offset, casting) -> torch.Tensor:
     dw = torch.empty((n_cols,), dtype=weight.dtype, device=x2.device)
     _DW_SUM((cdiv(n_cols, DW_BLOCK_N),), partial, dw, programs, n_cols)
     return dw
+
+
+def host_plans(slot):
+    """The plan callbacks of the C++ RMSNorm (``csrc/host.h``), given ``slot`` (a Launch's C++ registry id):
+    the same configurations as ``launch_fwd`` / ``launch_bwd``, asked once per shape."""
+
+    def fwd(n_cols: int, element_size: int, casting: int) -> tuple[int, int]:
+        _, launch = _fwd_plan(1, n_cols, element_size, casting)
+        return slot(launch), launch.meta["ROWS"]
+
+    def bwd(n_rows: int, n_cols: int, element_size: int, casting: int, device: int):
+        dev = torch.device("cuda", device)
+        programs, per_program, tiles, launches = _bwd_plan(n_rows, n_cols, element_size, casting, dev)
+        a = slot(launches[0])
+        b = slot(launches[1]) if len(launches) > 1 else -1
+        return programs, per_program, tiles, cdiv(n_cols, DW_BLOCK_N), a, b, slot(_DW_SUM)
+
+    return fwd, bwd

@@ -1,0 +1,148 @@
+// RMSNorm as a C++ autograd Function: the same Triton kernels and launch plans as launch.py, with
+// no Python on the per-call path (forward on the caller's thread, backward on autograd's device thread).
+// Plans come from Python once per shape (rms_norm_fwd_plan / rms_norm_bwd_plan in _host/__init__.py)
+// and are cached here; inputs were checked by rms_norm() before this is called.
+#pragma once
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <map>
+#include <tuple>
+
+#include "../../_host/launcher.h"
+
+namespace lck_host {
+
+struct RmsFwdPlan {
+  int slot;
+  int64_t rows_per_program;
+};
+struct RmsBwdPlan {
+  int64_t programs, per_program, tiles, dw_programs;
+  int a, b, dw;  // the row kernel (or the tiled path's dot kernel), the tiled kernel or -1, the dweight sum
+};
+
+struct RmsPlans {
+  std::mutex mu;
+  py::object fwd_cb, bwd_cb;
+  std::unordered_map<int64_t, RmsFwdPlan> fwd;  // key: (n_cols, element size, casting)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int>, RmsBwdPlan> bwd;
+};
+
+inline RmsPlans& rms_plans() {
+  static RmsPlans* p = new RmsPlans();
+  return *p;
+}
+
+inline RmsFwdPlan rms_fwd_plan(int64_t n_cols, int64_t esize, int64_t casting) {
+  RmsPlans& p = rms_plans();
+  const int64_t key = (n_cols << 8) | (esize << 2) | casting;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = p.fwd.find(key);
+    if (it != p.fwd.end()) return it->second;
+  }
+  py::gil_scoped_acquire gil;
+  auto t = p.fwd_cb(n_cols, esize, casting).cast<py::tuple>();
+  RmsFwdPlan plan{t[0].cast<int>(), t[1].cast<int64_t>()};
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.fwd.emplace(key, plan);
+  return plan;
+}
+
+inline RmsBwdPlan rms_bwd_plan(int64_t n_rows, int64_t n_cols, int64_t esize, int64_t casting, int device) {
+  RmsPlans& p = rms_plans();
+  const auto key = std::make_tuple(n_rows, n_cols, esize, casting, device);
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = p.bwd.find(key);
+    if (it != p.bwd.end()) return it->second;
+  }
+  py::gil_scoped_acquire gil;
+  auto t = p.bwd_cb(n_rows, n_cols, esize, casting, device).cast<py::tuple>();
+  RmsBwdPlan plan{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+                  t[4].cast<int>(),     t[5].cast<int>(),     t[6].cast<int>()};
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.bwd.emplace(key, plan);
+  return plan;
+}
+
+class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor weight, double eps,
+                            double offset, int64_t casting, bool in_place) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    const int64_t n = x.size(-1);
+    at::Tensor x2 = x.view({-1, n});
+    const int64_t rows = x2.size(0);
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    if (rows > 0) {
+      const RmsFwdPlan plan = rms_fwd_plan(n, x.element_size(), casting);
+      at::Tensor y2 = y.view({-1, n});
+      launch<10>(plan.slot, {cdiv(rows, plan.rows_per_program), 1, 1}, device,
+                 {ptr(x2), ptr(weight), ptr(y2), ptr(rstd), i(rows), i(n), i(x2.stride(0)), i(y2.stride(0)),
+                  f(eps), f(offset)});
+    }
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["casting"] = casting;
+    ctx->saved_data["in_place"] = in_place;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const double offset = ctx->saved_data["offset"].toDouble();
+    const int64_t casting = ctx->saved_data["casting"].toInt();
+    const bool in_place = ctx->saved_data["in_place"].toBool();
+    c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    at::Tensor dy = grads[0];
+    if (!dy.is_contiguous()) dy = dy.contiguous();  // e.g. an expanded gradient of a sum
+    const int64_t n = x.size(-1);
+    const int64_t rows = rstd.size(0);
+    at::Tensor dx = in_place ? dy : at::empty(x.sizes(), x.options());
+    if (in_place) dy.unsafeGetTensorImpl()->bump_version();  // dx overwrites dy, as the op's in-place form
+    at::Tensor dw;
+    if (rows == 0) {
+      dw = at::zeros_like(weight);
+    } else {
+      const RmsBwdPlan plan = rms_bwd_plan(rows, n, x.element_size(), casting, device);
+      at::Tensor dy2 = dy.view({-1, n}), x2 = x.view({-1, n}), dx2 = dx.view({-1, n});
+      at::Tensor partial = at::empty({plan.programs, n}, x.options().dtype(at::kFloat));
+      const unsigned programs = static_cast<unsigned>(plan.programs);
+      if (plan.b < 0) {
+        launch<13>(plan.a, {programs, 1, 1}, device,
+                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dx2), ptr(partial), i(rows), i(n),
+                    i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)), f(offset)});
+      } else {
+        at::Tensor dot = at::empty({rows}, x.options().dtype(at::kFloat));
+        launch<10>(plan.a, {static_cast<unsigned>(rows), 1, 1}, device,
+                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dot), i(rows), i(n), i(dy2.stride(0)),
+                    i(x2.stride(0)), f(offset)});
+        launch<14>(plan.b, {static_cast<unsigned>(plan.tiles), programs, 1}, device,
+                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dot), ptr(dx2), ptr(partial), i(rows),
+                    i(n), i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)),
+                    f(offset)});
+      }
+      dw = at::empty({n}, weight.options());
+      launch<4>(plan.dw, {static_cast<unsigned>(plan.dw_programs), 1, 1}, device, {ptr(partial), ptr(dw), i(plan.programs), i(n)});
+    }
+    const bool need_w = ctx->needs_input_grad(1);
+    return {dx, need_w ? dw : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+inline at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, double offset, int64_t casting,
+                           bool in_place) {
+  return RMSNormFn::apply(x, weight, eps, offset, casting, in_place);
+}
+
+}  // namespace lck_host
