@@ -117,3 +117,26 @@ def test_host_rms_norm_equals_python_function_bit_for_bit(shape, dtype, casting)
     if shape[0] > 0:
         assert _host.module() is not None, "the host module did not build"
         assert _host.launch_counts()[0] > before[0], "no launch went through C++"
+        # Every variant is known now: the same calls again never go back to Python.
+        python_before = _host.launch_counts()[1]
+        _pair(shape, dtype, casting, False, True, seed=1)
+        assert _host.launch_counts()[1] == python_before, "a known variant was launched through Python"
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_arguments_the_host_path_refuses_still_raise_the_python_errors() -> None:
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="eps"):
+        L.rms_norm(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="casting_mode"):
+        L.rms_norm(x, w, casting_mode="bogus")
+    with pytest.raises(TypeError, match="in_place"):
+        L.rms_norm(x, w, in_place=1)
+    with pytest.raises(ValueError, match="weight"):
+        L.rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        L.rms_norm(x.to(torch.int32), w)
+    y = L.rms_norm(x[:, :32], w[:32])  # a column slice takes the host path and matches a contiguous copy
+    assert torch.equal(y, L.rms_norm(x[:, :32].contiguous(), w[:32]))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lck_kernels import _common
-from lck_kernels._eager import _FAST, Launch, launch_hooked, plain_eager
+from lck_kernels._eager import _FAST, _PLAIN, Launch, launch_hooked, plain_eager
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -37,7 +37,7 @@ _slots: dict[int, int] = {}  # id(Launch) -> slot (Launches live for the process
 
 def enabled() -> bool:
     """Whether the C++ path may be used at all (``LCK_KERNELS_HOST``, Triton's fast-launch support)."""
-    return _FAST and os.environ.get("LCK_KERNELS_HOST", "1") != "0" and _failed is None
+    return _FAST and _failed is None and os.environ.get("LCK_KERNELS_HOST", "1") != "0"
 
 
 def module() -> ModuleType | None:
@@ -65,10 +65,12 @@ def module() -> ModuleType | None:
     return _module
 
 
-def ready(*tensors: torch.Tensor) -> ModuleType | None:
-    """The module when this call may take the C++ path: CUDA tensors in a plain eager call, no tuning
-    override, no launch hook; else None."""
-    if not enabled() or _common._OVERRIDES or not tensors[0].is_cuda:
+def ready(*tensors: Any) -> ModuleType | None:
+    """The module when this call may take the C++ path: the leading arguments CUDA tensors in a plain eager
+    call, no tuning override, no launch hook; else None. The module's entry points check everything else
+    and answer None for what they do not take."""
+    x = tensors[0]
+    if type(x) not in _PLAIN or not x.is_cuda or not enabled() or _common._OVERRIDES:
         return None
     if not plain_eager(tensors) or launch_hooked():
         return None
@@ -141,7 +143,13 @@ def _compile(launch: Launch, grid: tuple[int, int, int], args: tuple[Any, ...]):
         return None
 
 
-def _register_plans(mod: ModuleType) -> None:
-    from lck_kernels.rms_norm.launch import host_plans as rms_norm_plans
+FAMILIES = ("rms_norm", "swiglu", "cross_entropy")  # those whose launch.py may define host_plans
 
-    mod.set_rms_norm_plans(*rms_norm_plans(slot))
+
+def _register_plans(mod: ModuleType) -> None:
+    import importlib
+
+    for family in FAMILIES:
+        plans = getattr(importlib.import_module(f"lck_kernels.{family}.launch"), "host_plans", None)
+        if plans is not None:
+            getattr(mod, f"{family}_set_plans")(*plans(slot))

@@ -20,7 +20,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent
-SOURCES = (HERE / "module.cpp", HERE / "launcher.h", PKG / "rms_norm" / "csrc" / "host.h")
+SOURCES = (HERE / "module.cpp", HERE / "launcher.h", HERE / "checks.h", *sorted(PKG.glob("*/csrc/host.h")))
 MODULE_NAME = "_lck_kernels_host"
 ENTRY_NAME = "kernels_host"
 

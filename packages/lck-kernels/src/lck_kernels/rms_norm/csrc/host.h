@@ -1,15 +1,19 @@
 // RMSNorm as a C++ autograd Function: the same Triton kernels and launch plans as launch.py, with
 // no Python on the per-call path (forward on the caller's thread, backward on autograd's device thread).
-// Plans come from Python once per shape (rms_norm_fwd_plan / rms_norm_bwd_plan in _host/__init__.py)
-// and are cached here; inputs were checked by rms_norm() before this is called.
+// Plans come from Python once per shape (launch.py's host_plans) and are cached here. The entry point
+// checks its arguments itself (checks.h) and answers None for anything it does not take, so that
+// rms_norm() then runs its Python checks (which raise the error naming the argument) and Python path.
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <torch/csrc/autograd/python_variable.h>
+
 #include <map>
 #include <tuple>
 
+#include "../../_host/checks.h"
 #include "../../_host/launcher.h"
 
 namespace lck_host {
@@ -140,9 +144,37 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   }
 };
 
-inline at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, double offset, int64_t casting,
-                           bool in_place) {
-  return RMSNormFn::apply(x, weight, eps, offset, casting, in_place);
+// rms_norm(x, weight, eps, offset, casting_mode, in_place) -> y, or None (see the file comment).
+inline py::object rms_norm_entry(py::handle xh, py::handle wh, py::handle eps_h, py::handle offset_h,
+                                 py::handle casting_h, py::handle in_place_h) {
+  if (!THPVariable_Check(xh.ptr()) || !THPVariable_Check(wh.ptr())) return py::none();
+  const at::Tensor& x = THPVariable_Unpack(xh.ptr());
+  const at::Tensor& weight = THPVariable_Unpack(wh.ptr());
+  double eps, offset;
+  bool in_place;
+  if (!number(eps_h, &eps) || eps < 0 || !number(offset_h, &offset) || !boolean(in_place_h, &in_place))
+    return py::none();
+  if (!PyUnicode_Check(casting_h.ptr())) return py::none();
+  const std::string casting_s = casting_h.cast<std::string>();
+  const int64_t casting = casting_s == "llama" ? 0 : casting_s == "gemma" ? 1 : casting_s == "none" ? 2 : -1;
+  if (casting < 0 || !x.is_cuda() || !float_dtype(x.scalar_type()) || !float_dtype(weight.scalar_type()))
+    return py::none();
+  if (weight.device() != x.device() || weight.dim() != 1 || !rows_ok(x)) return py::none();
+  const int64_t n = x.size(-1);
+  if (weight.size(0) != n || (n > 1 && weight.stride(0) != 1)) return py::none();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(RMSNormFn::apply(x, weight, eps, offset, casting, in_place)));
+}
+
+inline void bind_rms_norm(py::module& m) {
+  m.def("rms_norm_set_plans", [](py::object fwd, py::object bwd) {
+    RmsPlans& p = rms_plans();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.fwd_cb = std::move(fwd);
+    p.bwd_cb = std::move(bwd);
+    p.fwd.clear();
+    p.bwd.clear();
+  });
+  m.def("rms_norm", &rms_norm_entry, "RMSNorm through the C++ autograd Function, or None");
 }
 
 }  // namespace lck_host

@@ -1,0 +1,60 @@
+// Argument checks of the C++ entry points: cheap predicates, no messages. An entry point whose arguments
+// fail one returns None, and the Python op then runs its own checks, which raise the error naming the
+// argument (or takes its Python path), so there is one source of error messages.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+
+namespace lck_host {
+
+namespace py = pybind11;
+
+inline bool float_dtype(at::ScalarType s) { return s == at::kFloat || s == at::kHalf || s == at::kBFloat16; }
+
+// A finite Python int or float (not a bool), as check_float accepts.
+inline bool number(py::handle h, double* out) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o)) return false;
+  if (PyFloat_Check(o)) {
+    *out = PyFloat_AS_DOUBLE(o);
+  } else if (PyLong_Check(o)) {
+    *out = PyLong_AsDouble(o);
+    if (*out == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  } else {
+    return false;
+  }
+  return std::isfinite(*out);
+}
+
+inline bool boolean(py::handle h, bool* out) {
+  if (h.ptr() == Py_True || h.ptr() == Py_False) {
+    *out = h.ptr() == Py_True;
+    return true;
+  }
+  return false;
+}
+
+// A non-empty CUDA tensor whose leading dimensions collapse into rows of unit column stride without a
+// copy (what _common.rows_view accepts, minus the empty case, which the Python path handles).
+inline bool rows_ok(const at::Tensor& t) {
+  const int64_t d = t.dim();
+  if (d == 0 || t.numel() == 0) return false;
+  const int64_t n = t.size(d - 1);
+  if (n > 1 && t.stride(d - 1) != 1) return false;
+  int64_t expect = -1;
+  for (int64_t k = d - 2; k >= 0; --k) {
+    if (t.size(k) == 1) continue;
+    if (expect >= 0 && t.stride(k) != expect) return false;
+    expect = t.stride(k) * t.size(k);
+  }
+  return true;
+}
+
+}  // namespace lck_host
