@@ -13,7 +13,7 @@ Liger-Kernel where installed) it measures:
 
 It prints them as a markdown table with the issue's verdicts (lck host ms at or below torch's, and loop ms
 within 1.15x of GPU ms where GPU ms >= 0.1), then a layer-by-layer breakdown of one small op's host cost and a
-cProfile of the host side of RMSNorm and cross entropy. Writes ``host-overhead-<gpu>-<date>.{json,csv,png,md}``
+cProfile of the host side of RMSNorm, cross entropy and the fused linear cross entropy. Writes ``host-overhead-<gpu>-<date>.{json,csv,png,md}``
 (JSON and CSV with provenance). The vocabulary-parallel ops need a process group: ``python -m
 lck_kernels.bench.tp`` times them.
 """
@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"loop {r.extra.get('loop_ms')} {r.error or ''}", flush=True)  # fmt: skip
         if (op, shape) in (("rms_norm", "4096x2048"), ("cross_entropy", "4096x32000")):
             profiles[f"{op} {shape}"] = _profile(steps["lck"])
+        elif op == "fused_linear_cross_entropy":  # where its host milliseconds go (30 calls: 35 ms each)
+            profiles[f"{op} {shape}"] = _profile(steps["lck"], n=30)
         del steps
         torch.cuda.empty_cache()
     breakdown = _breakdown()
@@ -376,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = row["host_ms"]
         print(f"  {row['step']:<48} {ms if ms is not None else float('nan'):7.3f}")
     for name, text in profiles.items():
-        print(f"\n--- cProfile of 200 x {name} forward+backward (own time first)\n{text}")
+        print(f"\n--- cProfile of {name} forward+backward calls (own time first)\n{text}")
     stem = f"host-overhead-{gpu_slug()}-{_dt.date.today().isoformat()}"
     verdicts = {f"{b} {s}": v for (b, s), v in _verdicts(records).items()}
     paths = write_results(
