@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from lck_kernels import _host
 from lck_kernels._common import FLOAT_DTYPES
 from lck_kernels.swiglu.checks import check_swiglu_inputs, check_swiglu_packed_inputs
 from lck_kernels.swiglu.launch import elementwise_config
@@ -56,6 +57,10 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
     check_swiglu_inputs("swiglu", a, b)
+    if a.is_cuda and (host := _host.ready(a, b)) is not None:  # the C++ autograd Function
+        c = host.swiglu(a, b)
+        if c is not None:  # None: a call it does not take (zero rows, say) runs the Python op
+            return c
     return swiglu_apply(a, b)
 
 
@@ -72,6 +77,10 @@ def swiglu_packed(y: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     check_swiglu_packed_inputs("swiglu_packed", y)
     if not isinstance(in_place, bool):
         raise TypeError(f"swiglu_packed: in_place must be a bool, got {type(in_place).__name__}")
+    if y.is_cuda and (host := _host.ready(y)) is not None:  # the C++ autograd Function, as in swiglu
+        out = host.swiglu_packed(y, in_place)
+        if out is not None:
+            return out
     return swiglu_packed_apply(y, in_place)
 
 

@@ -5,6 +5,8 @@ Nothing here validates input: the ops in ``ops.py`` do that before launching.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lck_kernels._common import VECTOR_BYTES, cdiv, config_cache, next_power_of_2, rows_view, tuned, warps_for
@@ -79,3 +81,18 @@ def _halves(op: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y2 = y.view(-1, y.shape[-1]) if direct() else rows_view(op, "y", y)
     n = y2.shape[1] // 2
     return y2[:, :n], y2[:, n:]
+
+
+def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[[int, int], tuple[int, int, int]], ...]:
+    """The plan callbacks of the C++ SwiGLU (``csrc/host.h``), given ``slot`` (a Launch's C++ registry id):
+    ``_plan``'s configurations for the forward and the backward kernel, asked once per (row width, element
+    size); C++ computes the grid from the tile as ``_plan`` does."""
+
+    def plan(kernel: str) -> Callable[[int, int], tuple[int, int, int]]:
+        def for_width(n_cols: int, element_size: int) -> tuple[int, int, int]:
+            _, launch = _plan(kernel, 1, n_cols, element_size)
+            return slot(launch), launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]
+
+        return for_width
+
+    return plan("swiglu_fwd"), plan("swiglu_bwd")
