@@ -31,6 +31,11 @@ again and writes the gradient (into ``logits`` with ``in_place=True``). Without 
 logits once. No fp32 copy of the logits is ever made (256k vocabularies are tiled), no host sync happens,
 and all row offsets are 64-bit.
 
+Plain eager calls on CUDA tensors run C++ autograd Functions (``csrc/host.h``, built by ``lck_kernels._host``)
+that launch the same kernels with the same plans and finish the loss with the same ATen ops, so neither the
+forward nor the backward runs Python per call; ``torch.compile``, fake tensors, modes, tuning overrides and
+anything the C++ entry does not take keep the Python Functions (``ops.py``), with the same results.
+
 ``in_place=True`` overwrites ``logits`` with the gradient (in the forward for sum/mean, in the backward for
 none): use it only when nothing else reads ``logits`` afterwards (autograd raises if an op saved them for its
 backward, because the ops bump their version counter). It saves a ``[tokens, vocab]`` buffer in eager
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from lck_kernels import _host
 from lck_kernels.cross_entropy.checks import check_cross_entropy_inputs, check_loss_dtype, check_loss_options
 from lck_kernels.cross_entropy.ops import (
     CrossEntropyFunction,
@@ -94,6 +100,15 @@ def cross_entropy(
     Differentiable w.r.t. ``logits``. Raises ``TypeError``/``ValueError`` naming the argument for a wrong
     dtype, device, shape, stride or option.
     """
+    if getattr(logits, "is_cuda", False) and (host := _host.ready(logits, target, weight)) is not None:
+        # The C++ autograd Functions: they check every argument themselves and answer None for anything
+        # they do not take, which then gets the checks (and their errors) and the Python path below.
+        out = host.cross_entropy(
+            logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+            return_z_loss, in_place, loss_dtype,
+        )  # fmt: skip
+        if out is not None:
+            return out
     op = "cross_entropy"
     check_cross_entropy_inputs(op, logits, target, weight)
     check_loss_options(op, ignore_index, label_smoothing, lse_square_scale, softcap, reduction)

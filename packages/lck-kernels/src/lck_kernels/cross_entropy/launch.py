@@ -8,6 +8,7 @@ Nothing here validates user input: the public functions do that before any launc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import triton
 from lck_kernels._common import config_cache, interpreting, next_power_of_2, num_sms, tuned
 from lck_kernels._eager import Launch, launch_for
 from lck_kernels.cross_entropy import kernels as k
+from lck_kernels.cross_entropy.cuda import enabled as cuda_enabled
 from lck_kernels.cross_entropy.cuda import try_launch
 from lck_kernels.cross_entropy.kernels import _DEFAULTS
 from lck_kernels.cross_entropy.split import MAX_SPIN, _ce_fwd_split_kernel
@@ -322,3 +324,42 @@ def finalize_loss(
         return total, torch.zeros_like(total)
     z = zl.sum() / red[1]
     return total + z, z
+
+
+def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
+    """The plan callbacks of the C++ cross entropy (``csrc/host.h``), given ``slot`` (a Launch's C++ registry
+    id): the launches and grids ``launch_reduction``, ``launch_fwd``, ``launch_bwd`` (a per-row loss gradient)
+    and ``launch_rescale_rows`` would use, asked once per shape."""
+
+    def reduction(mean: bool, has_weight: bool) -> int:
+        return slot(_reduction_launch(mean, has_weight))
+
+    def fwd(
+        n_rows: int, n_cols: int, element_size: int, device: int,
+        has_weight: bool, smooth: bool, has_z: bool, has_softcap: bool, grad: bool,
+    ) -> tuple[int, int] | None:  # fmt: skip
+        dev = torch.device("cuda", device)
+        name = "cross_entropy_fwd_grad" if grad else "cross_entropy_fwd"
+        if grad:
+            # The split-row kernel (a scratch buffer, two launches under the interpreter) and the CUDA cluster
+            # kernel stay with launch_fwd: None sends the call down the Python path.
+            cfg = ce_launch_config(name, n_rows, n_cols, element_size, dev)
+            if cfg["SPLIT"] > 1 or (cuda_enabled() and tuned(name, dict(_DEFAULTS[name]))["cuda"]):
+                return None
+        flags = (has_weight, smooth, has_z, has_softcap, False, grad)
+        grid, launch = _fwd_launch(name, n_rows, n_cols, element_size, dev, flags)
+        return slot(launch), grid[0]
+
+    def bwd(
+        n_rows: int, n_cols: int, element_size: int, device: int,
+        has_weight: bool, smooth: bool, has_z: bool, has_softcap: bool,
+    ) -> tuple[int, int]:  # fmt: skip
+        flags = (has_weight, smooth, has_z, has_softcap, True, False, False)
+        grid, launch = _bwd_launch(n_rows, n_cols, element_size, torch.device("cuda", device), flags)
+        return slot(launch), grid[0]
+
+    def rescale(n_rows: int, n_cols: int, device: int) -> tuple[int, int]:
+        grid, launch = _rescale_rows_launch(n_rows, n_cols, torch.device("cuda", device))
+        return slot(launch), grid[0]
+
+    return reduction, fwd, bwd, rescale

@@ -1,10 +1,390 @@
-// cross_entropy through a C++ autograd Function: not yet written (the Python op runs).
+// Cross entropy as C++ autograd Functions: the same Triton kernels, launch plans and loss arithmetic as the
+// Python ops (ops.py, launch.py), with no Python on the per-call path.
+//
+// - reduction "sum"/"mean" with grad: CrossEntropyFn, CrossEntropyFunction's twin. Its forward writes the loss
+//   terms and the gradient (into a new buffer, or over the logits with in_place); its backward rescales that
+//   gradient in place by the incoming one.
+// - reduction "none" with grad: CrossEntropyRowsFn, CrossEntropyRowsFunction's twin (each row's lse saved; the
+//   backward writes the gradient, over the logits with in_place).
+// - no grad: the forward alone, as cross_entropy_fwd(..., compute_grad=False).
+// finalize_loss is repeated with the same ATen ops in the same order, so the losses are bit for bit the same.
+// Plans come from launch.py's host_plans once per shape and are cached here. The entry checks its arguments
+// itself (everything cross_entropy's Python checks refuse) and answers None for anything it does not take
+// (empty logits, overlapping rows to be overwritten, the split-row or CUDA cluster forward), so that
+// cross_entropy() then raises its own errors or runs its Python path.
 #pragma once
 
-#include <pybind11/pybind11.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include "../../_host/checks.h"
+#include "../../_host/launcher.h"
 
 namespace lck_host {
 
-inline void bind_cross_entropy(pybind11::module& m) {}
+// One kernel launch of a plan: its registry slot and 1-D grid; slot -1 means "the Python path only".
+struct CeLaunch {
+  int slot = -1;
+  unsigned grid = 0;
+};
+
+// (rows, columns, element size / device / flags packed by ce_key)
+using CeKey = std::tuple<int64_t, int64_t, int64_t>;
+
+struct CePlans {
+  std::mutex mu;
+  py::object red_cb, fwd_cb, bwd_cb, rescale_cb;
+  int red[2][2] = {{-1, -1}, {-1, -1}};  // [mean][has_weight] -> slot of the reduction kernel
+  std::map<CeKey, CeLaunch> fwd, bwd, rescale;
+};
+
+inline CePlans& ce_plans() {
+  static CePlans* p = new CePlans();  // never destroyed: py::objects must not die after the interpreter
+  return *p;
+}
+
+// The per-call constants of CEOptions and the reduction, as the kernels take them.
+struct CeCall {
+  int64_t ignore_index = -100;
+  double eps = 0.0, z_scale = 0.0;
+  double softcap = 1.0;  // 1 without a cap (CEOptions.scalars: unused then, and no 0 divide)
+  bool has_weight = false, smooth = false, has_z = false, has_softcap = false, in_place = false;
+  int reduction = 2;  // 0 none, 1 sum, 2 mean
+  CeLaunch fwd;       // the forward kernel's plan, looked up by the entry (it may refuse the call)
+
+  // HAS_WEIGHT, SMOOTH, HAS_Z, HAS_SOFTCAP as bits, the order of CEOptions.flags.
+  int64_t flags() const { return has_weight | (smooth << 1) | (has_z << 2) | (has_softcap << 3); }
+};
+
+inline int64_t ce_key(int64_t esize, int device, int64_t flags) {
+  return flags | (esize << 8) | (int64_t(device) << 16);
+}
+
+template <typename Ask>
+CeLaunch ce_cached(std::map<CeKey, CeLaunch> CePlans::*table, const CeKey& key, Ask ask) {
+  CePlans& p = ce_plans();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = (p.*table).find(key);
+    if (it != (p.*table).end()) return it->second;
+  }
+  py::gil_scoped_acquire gil;
+  py::object r = ask(p);
+  CeLaunch plan;
+  if (!r.is_none()) {
+    auto t = r.cast<py::tuple>();
+    plan = CeLaunch{t[0].cast<int>(), t[1].cast<unsigned>()};
+  }
+  std::lock_guard<std::mutex> lock(p.mu);
+  (p.*table).emplace(key, plan);
+  return plan;
+}
+
+// launch_fwd's kernel: the loss+gradient kernel with `grad`, else the loss-only one (None: Python path).
+inline CeLaunch ce_fwd_plan(int64_t rows, int64_t cols, int64_t esize, int device, const CeCall& c, bool grad) {
+  const int64_t flags = c.flags() | (int64_t(grad) << 4);
+  return ce_cached(&CePlans::fwd, CeKey{rows, cols, ce_key(esize, device, flags)}, [&](CePlans& p) {
+    return p.fwd_cb(rows, cols, esize, device, c.has_weight, c.smooth, c.has_z, c.has_softcap, grad);
+  });
+}
+
+// launch_bwd's kernel with a per-row loss gradient (reduction "none").
+inline CeLaunch ce_bwd_plan(int64_t rows, int64_t cols, int64_t esize, int device, const CeCall& c) {
+  return ce_cached(&CePlans::bwd, CeKey{rows, cols, ce_key(esize, device, c.flags())}, [&](CePlans& p) {
+    return p.bwd_cb(rows, cols, esize, device, c.has_weight, c.smooth, c.has_z, c.has_softcap);
+  });
+}
+
+// launch_rescale_rows' kernel.
+inline CeLaunch ce_rescale_plan(int64_t rows, int64_t cols, int device) {
+  return ce_cached(&CePlans::rescale, CeKey{rows, cols, ce_key(0, device, 0)},
+                   [&](CePlans& p) { return p.rescale_cb(rows, cols, device); });
+}
+
+inline int ce_red_slot(bool mean, bool has_weight) {
+  CePlans& p = ce_plans();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (p.red[mean][has_weight] >= 0) return p.red[mean][has_weight];
+  }
+  py::gil_scoped_acquire gil;
+  const int s = p.red_cb(mean, has_weight).cast<int>();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.red[mean][has_weight] = s;
+  return s;
+}
+
+// launch_reduction: [Σ w_t, n_valid, cw, cz, Σ w_c] over the non-ignored targets.
+inline at::Tensor ce_reduction(const at::Tensor& target, const at::Tensor& weight, int64_t cols, const CeCall& c,
+                               bool mean, int device) {
+  at::Tensor red = at::empty({5}, target.options().dtype(at::kFloat));
+  const at::Tensor& w = c.has_weight ? weight : red;
+  launch<6>(ce_red_slot(mean, c.has_weight), {1, 1, 1}, device,
+            {ptr(target), ptr(w), ptr(red), i(target.numel()), i(cols), i(c.ignore_index)});
+  return red;
+}
+
+struct CeOut {
+  at::Tensor loss, z, lse, applied;
+};
+
+// ops._forward: the reduction's denominators, the per-row terms (and, with `grad`, the gradient and
+// `applied` = 1), then finalize_loss with the same ATen ops in the same order.
+inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& weight,
+                        const CeCall& c, const at::Tensor* grad, int device) {
+  const int64_t n = logits.size(0), v = logits.size(1);
+  at::Tensor red = ce_reduction(target, weight, v, c, c.reduction == 2, device);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor ce = at::empty({n}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor zl = c.has_z ? at::empty({n}, f32) : at::Tensor();
+  at::Tensor applied = at::empty({grad != nullptr ? n : 0}, f32);
+  // Absent outputs and inputs point at lse, as launch_fwd passes them.
+  const at::Tensor& g = grad != nullptr ? *grad : lse;
+  const at::Tensor& w = c.has_weight ? weight : lse;
+  const at::Tensor& z_rows = c.has_z ? zl : lse;
+  const at::Tensor& applied_arg = grad != nullptr ? applied : lse;
+  launch<19>(c.fwd.slot, {c.fwd.grid, 1, 1}, device,
+             {ptr(logits), i(logits.stride(0)), ptr(g), i(grad != nullptr ? grad->stride(0) : 0), ptr(target),
+              ptr(w), ptr(red), ptr(ce), ptr(z_rows), ptr(lse), ptr(lse), ptr(applied_arg), i(n), i(v),
+              i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap)});
+  CeOut out{at::Tensor(), at::Tensor(), lse, applied};
+  if (c.reduction == 0) {
+    if (!c.has_z) {
+      out.loss = ce;
+      out.z = at::zeros_like(ce);
+    } else {
+      out.loss = ce + zl;
+      out.z = zl;
+    }
+  } else if (c.reduction == 1) {
+    at::Tensor total = ce.sum();
+    out.z = c.has_z ? zl.sum() : at::zeros_like(total);
+    out.loss = c.has_z ? total + out.z : total;
+  } else {
+    at::Tensor total = ce.sum() / red.select(0, 0);
+    if (!c.has_z) {
+      out.loss = total;
+      out.z = at::zeros_like(total);
+    } else {
+      out.z = zl.sum() / red.select(0, 1);
+      out.loss = total + out.z;
+    }
+  }
+  return out;
+}
+
+// ctx's saved tensors, with unpack_saved_gradient's message when one was overwritten since the forward.
+inline torch::autograd::variable_list ce_saved(torch::autograd::AutogradContext* ctx) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const c10::Error& e) {
+    if (std::string(e.what()).find("modified by an inplace operation") == std::string::npos) throw;
+  }
+  TORCH_CHECK(false,
+                "cross_entropy: a buffer saved by the forward was modified before this backward. Either backward "
+                "ran a second time over the same graph (retain_graph=True), which cross_entropy does not support "
+                "where its backward updates a saved buffer in place (the gradient computed in the forward for "
+                "reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
+                "in-place op wrote into the inputs cross_entropy saved after its forward.");
+  return {};
+}
+
+// reduction "sum"/"mean": CrossEntropyFunction.
+class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor logits,
+                                                at::Tensor target, std::optional<at::Tensor> weight, CeCall c) {
+    c10::cuda::CUDAGuard guard(logits.device());
+    const int device = logits.get_device();
+    at::Tensor grad = c.in_place ? logits : at::empty(logits.sizes(), logits.options());
+    const at::Tensor w = weight.has_value() ? *weight : at::Tensor();
+    CeOut out = ce_forward(logits, target, w, c, &grad, device);
+    // cross_entropy_fwd_ mutates the logits: bump their version, so that autograd refuses them where
+    // another op saved them.
+    if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();
+    ctx->save_for_backward({grad, out.applied});
+    ctx->mark_non_differentiable({out.z});
+    return {out.loss, out.z};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ce_saved(ctx);
+    const at::Tensor& grad = saved[0];
+    const at::Tensor& applied = saved[1];
+    const at::Tensor& g = grads[0];
+    c10::cuda::CUDAGuard guard(grad.device());
+    const int device = grad.get_device();
+    const int64_t n = grad.size(0), v = grad.size(1);
+    const CeLaunch plan = ce_rescale_plan(n, v, device);
+    launch<7>(plan.slot, {plan.grid, 1, 1}, device,
+              {ptr(grad), i(grad.stride(0)), ptr(applied), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), i(n), i(v)});
+    // cross_entropy_rescale_ mutates both: a second backward over a retained graph then refuses them.
+    grad.unsafeGetTensorImpl()->bump_version();
+    applied.unsafeGetTensorImpl()->bump_version();
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// reduction "none": CrossEntropyRowsFunction.
+class CrossEntropyRowsFn : public torch::autograd::Function<CrossEntropyRowsFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor logits,
+                                                at::Tensor target, std::optional<at::Tensor> weight, CeCall c) {
+    c10::cuda::CUDAGuard guard(logits.device());
+    const int device = logits.get_device();
+    const at::Tensor w = weight.has_value() ? *weight : at::Tensor();
+    CeOut out = ce_forward(logits, target, w, c, nullptr, device);
+    ctx->save_for_backward({logits, target, w, out.lse});
+    ctx->saved_data["ignore_index"] = c.ignore_index;
+    ctx->saved_data["eps"] = c.eps;
+    ctx->saved_data["z_scale"] = c.z_scale;
+    ctx->saved_data["softcap"] = c.softcap;
+    ctx->saved_data["flags"] = c.flags() | (int64_t(c.in_place) << 4);
+    ctx->mark_non_differentiable({out.z});
+    return {out.loss, out.z};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ce_saved(ctx);
+    const at::Tensor& logits = saved[0];
+    const at::Tensor& target = saved[1];
+    const at::Tensor& weight = saved[2];
+    const at::Tensor& lse = saved[3];
+    CeCall c;
+    c.ignore_index = ctx->saved_data["ignore_index"].toInt();
+    c.eps = ctx->saved_data["eps"].toDouble();
+    c.z_scale = ctx->saved_data["z_scale"].toDouble();
+    c.softcap = ctx->saved_data["softcap"].toDouble();
+    const int64_t flags = ctx->saved_data["flags"].toInt();
+    c.has_weight = flags & 1, c.smooth = flags & 2, c.has_z = flags & 4, c.has_softcap = flags & 8;
+    c.in_place = flags & 16;
+    c.reduction = 0;
+    const at::Tensor& g = grads[0];
+    c10::cuda::CUDAGuard guard(logits.device());
+    const int device = logits.get_device();
+    const int64_t n = logits.size(0), v = logits.size(1);
+    at::Tensor grad = c.in_place ? logits : at::empty(logits.sizes(), logits.options());
+    at::Tensor red = ce_reduction(target, weight, v, c, false, device);
+    const CeLaunch plan = ce_bwd_plan(n, v, logits.element_size(), device, c);
+    const at::Tensor& w = c.has_weight ? weight : lse;
+    launch<22>(plan.slot, {plan.grid, 1, 1}, device,
+               {ptr(logits), i(logits.stride(0)), ptr(grad), i(grad.stride(0)), ptr(target), ptr(w), ptr(red),
+                ptr(lse), ptr(lse), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), ptr(lse), i(0), ptr(lse), i(0), i(n),
+                i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap)});
+    if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();  // cross_entropy_bwd_ mutates the logits
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A Python int (not a bool) that fits int64, as check_loss_options accepts for ignore_index.
+inline bool ce_int(py::handle h, int64_t* out) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o) || !PyLong_Check(o)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (*out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+inline py::object ce_wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+
+// cross_entropy(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+// return_z_loss, in_place, loss_dtype) -> what cross_entropy returns, or None (see the file comment).
+inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, py::handle weight_h,
+                                      py::handle ignore_h, py::handle smoothing_h, py::handle z_scale_h,
+                                      py::handle softcap_h, py::handle reduction_h, py::handle return_z_h,
+                                      py::handle in_place_h, py::handle loss_dtype_h) {
+  if (!THPVariable_Check(logits_h.ptr()) || !THPVariable_Check(target_h.ptr())) return py::none();
+  const at::Tensor& logits = THPVariable_Unpack(logits_h.ptr());
+  const at::Tensor& target = THPVariable_Unpack(target_h.ptr());
+  // check_cross_entropy_inputs, minus the empty case (the Python path handles it).
+  if (!logits.is_cuda() || !float_dtype(logits.scalar_type()) || logits.dim() != 2) return py::none();
+  const int64_t n = logits.size(0), v = logits.size(1);
+  if (n == 0 || v == 0 || (v > 1 && logits.stride(1) != 1)) return py::none();
+  if (target.scalar_type() != at::kLong && target.scalar_type() != at::kInt) return py::none();
+  if (target.dim() != 1 || target.size(0) != n || (n > 1 && target.stride(0) != 1)) return py::none();
+  if (target.device() != logits.device()) return py::none();
+  CeCall c;
+  std::optional<at::Tensor> weight;
+  if (!weight_h.is_none()) {
+    if (!THPVariable_Check(weight_h.ptr())) return py::none();
+    const at::Tensor& w = THPVariable_Unpack(weight_h.ptr());
+    if (!float_dtype(w.scalar_type()) || w.dim() != 1 || !w.is_contiguous() || w.device() != logits.device())
+      return py::none();
+    if (w.size(0) != v || (w.requires_grad() && at::GradMode::is_enabled())) return py::none();
+    weight = w;
+    c.has_weight = true;
+  }
+  // check_loss_options, the flags and check_loss_dtype.
+  bool return_z, in_place;
+  if (!ce_int(ignore_h, &c.ignore_index) || !number(smoothing_h, &c.eps) || !number(z_scale_h, &c.z_scale))
+    return py::none();
+  if (!(c.eps >= 0.0 && c.eps <= 1.0) || c.z_scale < 0.0) return py::none();
+  if (!softcap_h.is_none()) {
+    if (!number(softcap_h, &c.softcap) || !(c.softcap > 0.0)) return py::none();
+    c.has_softcap = true;
+  }
+  c.smooth = c.eps > 0.0;
+  c.has_z = c.z_scale > 0.0;
+  PyObject* r = reduction_h.ptr();
+  if (!PyUnicode_Check(r)) return py::none();
+  c.reduction = PyUnicode_CompareWithASCIIString(r, "none") == 0  ? 0
+                : PyUnicode_CompareWithASCIIString(r, "sum") == 0 ? 1
+                : PyUnicode_CompareWithASCIIString(r, "mean") == 0 ? 2
+                                                                   : -1;
+  if (c.reduction < 0 || !boolean(return_z_h, &return_z) || !boolean(in_place_h, &in_place)) return py::none();
+  if (!THPDtype_Check(loss_dtype_h.ptr())) return py::none();
+  const at::ScalarType loss_dtype = reinterpret_cast<THPDtype*>(loss_dtype_h.ptr())->scalar_type;
+  if (loss_dtype != at::kFloat && loss_dtype != logits.scalar_type()) return py::none();
+  const bool with_grad = at::GradMode::is_enabled() && logits.requires_grad();
+  c.in_place = with_grad && in_place;  // without grad nothing is written into the logits
+  // The gradient written over the logits needs rows that do not overlap (the ops raise otherwise).
+  if (c.in_place && n > 1 && logits.stride(0) < v) return py::none();
+  const int device = logits.get_device();
+  c.fwd = ce_fwd_plan(n, v, logits.element_size(), device, c, with_grad && c.reduction != 0);
+  if (c.fwd.slot < 0) return py::none();  // the split or cluster forward: launch.py's own path
+  at::Tensor loss, z;
+  if (!with_grad) {
+    c10::cuda::CUDAGuard guard(logits.device());
+    const at::Tensor w = weight.has_value() ? *weight : at::Tensor();
+    CeOut out = ce_forward(logits, target, w, c, nullptr, device);
+    loss = out.loss, z = out.z;
+  } else {
+    auto outs = c.reduction == 0 ? CrossEntropyRowsFn::apply(logits, target, weight, c)
+                                 : CrossEntropyFn::apply(logits, target, weight, c);
+    loss = outs[0], z = outs[1];
+  }
+  loss = loss.to(loss_dtype);
+  if (!return_z) return ce_wrap(loss);
+  return py::make_tuple(ce_wrap(loss), ce_wrap(z.to(loss_dtype)));
+}
+
+inline void bind_cross_entropy(py::module& m) {
+  m.def("cross_entropy_set_plans", [](py::object red, py::object fwd, py::object bwd, py::object rescale) {
+    CePlans& p = ce_plans();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.red_cb = std::move(red);
+    p.fwd_cb = std::move(fwd);
+    p.bwd_cb = std::move(bwd);
+    p.rescale_cb = std::move(rescale);
+    p.red[0][0] = p.red[0][1] = p.red[1][0] = p.red[1][1] = -1;
+    p.fwd.clear();
+    p.bwd.clear();
+    p.rescale.clear();
+  });
+  m.def("cross_entropy", &cross_entropy_entry, "cross entropy through the C++ autograd Functions, or None");
+}
 
 }  // namespace lck_host
