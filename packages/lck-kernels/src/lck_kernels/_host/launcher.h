@@ -29,7 +29,8 @@ namespace lck_host {
 namespace py = pybind11;
 
 struct Arg {
-  enum Kind : uint8_t { kPtr, kInt, kFloat } kind;
+  // kMissing: a slot launch<N> was given fewer than N arguments for (refused, never read as a tensor).
+  enum Kind : uint8_t { kMissing, kPtr, kInt, kFloat } kind = kMissing;
   const at::Tensor* tensor = nullptr;  // kPtr
   int64_t i = 0;                       // kInt
   double f = 0.0;                      // kFloat
@@ -113,6 +114,8 @@ std::string variant_key(int device, const std::array<Arg, N>& args) {
         key.push_back('f');
         key.push_back('f');
         break;
+      default:
+        throw std::logic_error("lck host: launch<N> was given fewer than N arguments");
     }
   }
   return key;

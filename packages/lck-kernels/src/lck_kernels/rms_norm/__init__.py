@@ -57,13 +57,14 @@ def rms_norm(
     Returns ``y`` with ``x``'s shape and dtype (contiguous). Differentiable in ``x`` and ``weight``.
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
+    host = _host.ready(x, weight)
+    if host is not None:  # the C++ autograd Function; None when it does not take these arguments
+        y = host.rms_norm(x, weight, eps, offset, casting_mode, in_place)
+        if y is not None:
+            return y
     check_rms_norm_inputs("rms_norm", x, weight, eps, offset, casting_mode)
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm: in_place must be a bool, got {type(in_place).__name__}")
-    if x.is_cuda and (host := _host.ready(x, weight)) is not None:  # the C++ autograd Function
-        return host.rms_norm(
-            x, weight, float(eps), float(offset), CASTING_MODES.index(casting_mode), in_place
-        )
     return rms_norm_apply(x, weight, float(eps), float(offset), casting_mode, in_place)
 
 
