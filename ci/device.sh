@@ -8,7 +8,7 @@
 #   stages: probe, runtime, runtime-bench, kernels, kernels-bench, kernels-bench-x ($BENCH_ARGS), kernels-tune, host,
 #           flce-clocks, ep, ep-bench, tp, runtime-g (single-GPU tests selected by KSEL),
 #           runtime-k, tp-k (multi-GPU tests selected by KSEL), tp-bench, tp-share, megatron, megatron-k, megatron-bench, demo,
-#           demo-moe (lck demo --moe), demo-profile (GPU time of its steps by kernel kind), megatron-moe (the MoE patch's gpu tests),
+#           demo-moe (lck demo --moe), demo-x (lck demo $DEMO_ARGS), demo-profile (GPU time of its steps by kernel kind), megatron-moe (the MoE patch's gpu tests),
 #           mps, mps-restart (with MPS=1: list the daemon's servers and clients; a fresh daemon), script ($SCRIPT),
 #           pytest ($PYTEST_ARGS)
 set -uo pipefail
@@ -94,6 +94,7 @@ run_stage() {  # STAGE[:SECONDS][~KSEL]: "~expr" gives this stage its own test s
     megatron-bench) timeout "$limit" python3 -m lck_megatron.benchmark --out "$W/results-megatron" ;;
     demo) timeout "$limit" python3 -m lck_megatron.demo --out "$W/demo" ;;
     demo-moe) timeout "$limit" python3 -m lck_megatron.demo --moe --out "$W/demo-moe" ;;
+    demo-x) timeout "$limit" python3 -m lck_megatron.demo ${DEMO_ARGS:?} --out "$W/demo-x" ;;
     demo-profile) timeout "$limit" python3 packages/lck-megatron/benchmarks/demo_step_profile.py --out "$W/demo-profile" ;;
     megatron-moe) timeout "$limit" python3 -m pytest packages/lck-megatron/tests/test_megatron_moe.py -m gpu -ra -q -p no:cacheprovider --tb=short ;;
     megatron-k) timeout "$limit" python3 -m pytest packages/lck-megatron/tests -m "gpu and not multigpu" -k "${KSEL:?}" -ra -q -p no:cacheprovider --tb=short ;;
