@@ -6,12 +6,17 @@ inputs, bit for bit: loss, z-loss and the logits gradient, over bf16/fp16/fp32, 
 vocabularies that are not a multiple of 16, ignored rows, label smoothing, z-loss, soft cap, class weights and
 in-place gradients; the launches counted as made from C++, and a repeated call launching nothing through
 Python. What the host path leaves to Python (tuning overrides, bad arguments, empty logits, overlapping rows
-written in place) still gets the Python errors and results. On CPU: the routing, and ``host_plans``
-answering the launches and grids that the Python launchers use, with the argument counts ``host.h`` passes.
+written in place) still gets the Python errors and results. On CPU: the routing, ``host_plans`` answering
+the launches and grids that the Python launchers use (with the argument counts ``host.h`` passes), and (under
+``TRITON_INTERPRET=1``) ``host.h``'s entry and Functions, compiled with every launch handed to the Triton
+interpreter, against the Python Functions bit for bit, with its refusals and autograd errors.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,7 @@ from _device import gpu
 
 import lck_kernels as L
 from lck_kernels import _common, _host
+from lck_kernels._common import interpreting
 from lck_kernels.cross_entropy import launch as ce_launch
 from lck_kernels.cross_entropy.ops import cross_entropy_apply, cross_entropy_fwd, cross_entropy_rows_apply
 
@@ -293,3 +299,175 @@ def test_host_plans_refuse_the_split_forward(fake_sms: None) -> None:
     with _common.tuning("cross_entropy_fwd_grad", split=2):
         assert fwd(64, 32000, 2, 7, False, False, False, False, True) is None
         assert fwd(64, 32000, 2, 7, False, False, False, False, False) is not None  # the loss-only kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: host.h's entry and Functions, every launch handed to the Triton interpreter (no GPU needed)
+# ---------------------------------------------------------------------------------------------------------
+
+# launch<6/7/19/22> (the reduction, rescale, forward and backward kernels' runtime arguments) specialised before
+# host.h is included: each calls the Python callback with (Launch, grid, args), which runs the kernel under
+# TRITON_INTERPRET=1 on the CPU tensors. The CUDA guard becomes a no-op and is_cuda() is_cpu(), so the entry
+# takes CPU tensors; everything else is host.h as built for the GPU.
+_HARNESS = r"""
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include "@HOST@/checks.h"
+#include "@HOST@/launcher.h"
+namespace c10::cuda { struct FakeGuard { explicit FakeGuard(c10::Device) {} }; }
+#define CUDAGuard FakeGuard
+#define is_cuda() is_cpu()
+namespace lck_host {
+template <size_t N> void interpret(int slot, std::array<unsigned, 3> grid, const std::array<Arg, N>& args) {
+  Registry& reg = registry();
+  py::gil_scoped_acquire gil;
+  py::object launch_obj = reg.slots.at(slot).launch;
+  reg.compile_cb(launch_obj, py::make_tuple(grid[0], grid[1], grid[2]), py_args(args));
+  ++reg.python_launches;
+}
+template <> void launch<6>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 6>& a) { interpret(s, g, a); }
+template <> void launch<7>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 7>& a) { interpret(s, g, a); }
+template <> void launch<19>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 19>& a) { interpret(s, g, a); }
+template <> void launch<22>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 22>& a) { interpret(s, g, a); }
+}  // namespace lck_host
+#include "@PKG@/cross_entropy/csrc/host.h"
+PYBIND11_MODULE(_cross_entropy_host_harness, m) {
+  m.def("add_slot", &lck_host::add_slot);
+  m.def("set_compile_callback", [](py::object cb) { lck_host::registry().compile_cb = std::move(cb); });
+  lck_host::bind_cross_entropy(m);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """The harness module with the plans and the interpreter wired in, built once per machine into the LCK
+    JIT cache (tens of seconds)."""
+    if not interpreting():
+        pytest.skip("compares with the Python Functions on CPU tensors under TRITON_INTERPRET=1")
+    from lck_kernels._host import build
+    from lck_runtime.jit import Jit
+    from lck_runtime.jit.cache import compute_key, ensure_root, get_or_create
+    from lck_runtime.jit.compiler import run_compiler
+
+    source = _HARNESS.replace("@HOST@", str(build.HERE)).replace("@PKG@", str(build.PKG))
+    name = "_cross_entropy_host_harness"
+    filename = name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    try:
+        cxx, argv_flags = build._compiler(), build.flags()
+    except RuntimeError as exc:  # no compiler or CUDA headers: the real module cannot build here either
+        pytest.skip(str(exc))
+    fields = {**build._key_fields(cxx, argv_flags), "kind": "cross-entropy-host-harness", "harness": source}
+
+    def produce(tmp: Path) -> dict:
+        (tmp / "harness.cpp").write_text(source)
+        argv = [cxx, str(tmp / "harness.cpp"), "-o", str(tmp / filename), *argv_flags]
+        run_compiler(argv, print_command=False, label="cross entropy host harness", timeout=900.0)
+        return {"file": filename}
+
+    jit = Jit(prefix="LCK")
+    root = ensure_root(jit.cache_dir, "LCK_JIT_CACHE_DIR")
+    entry = get_or_create(
+        root, "cross_entropy_host_harness", compute_key(fields), produce, lock_timeout=jit.lock_timeout
+    )
+    spec = importlib.util.spec_from_file_location(name, entry.payload_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    slots: dict[int, int] = {}
+
+    def slot(launch: Any) -> int:
+        if id(launch) not in slots:
+            slots[id(launch)] = module.add_slot(launch)
+        return slots[id(launch)]
+
+    # A CPU tensor's device index is -1; the plans are asked for device 0, whose SM count the fixture below
+    # fakes as num_sms does for CPU tensors (4), so both paths get the same grids.
+    plans = ce_launch.host_plans(slot)
+    module.cross_entropy_set_plans(*(lambda *a, p=p: p(*(0 if x == -1 else x for x in a)) for p in plans))
+    module.set_compile_callback(lambda launch, grid, args: launch.fn[grid](*args, **launch.meta))
+    return module
+
+
+def _harness_call(m, x, target, kw: dict[str, Any], reduction: str, in_place: bool, loss_dtype=torch.float32):
+    return m.cross_entropy(
+        x, target, kw.get("weight"), kw.get("ignore_index", -100), kw.get("label_smoothing", 0.0),
+        kw.get("lse_square_scale", 0.0), kw.get("softcap"), reduction, True, in_place, loss_dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((7, 13), torch.float32), ((16, 100), torch.bfloat16), ((5, 300), torch.float16)]
+)
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_harness_equals_python_functions_bit_for_bit(
+    harness, fake_sms, shape, dtype, options, reduction
+) -> None:
+    n, v = shape
+    g = torch.Generator().manual_seed(sum(shape) + len(options))
+    logits = (3 * torch.randn(shape, generator=g)).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    opts = OPTIONS[options]
+    kw = {k: val for k, val in opts.items() if k not in ("weight", "ignored")}
+    if opts.get("ignored"):
+        target[::3] = kw.get("ignore_index", -100)
+    if opts.get("weight"):
+        kw["weight"] = 0.5 + torch.rand(v, generator=g)
+    for in_place, grad, loss_dtype in (
+        (False, True, torch.float32),
+        (True, True, dtype),
+        (True, False, dtype),
+    ):
+        g_out = torch.tensor(0.75) if reduction != "none" else torch.rand(n, generator=g)
+        g_out = g_out.to(loss_dtype)
+        outs = []
+        for host in (True, False):
+            x = logits.clone().requires_grad_(grad)
+            if host:
+                loss, z = _harness_call(harness, x, target, kw, reduction, in_place, loss_dtype)
+            else:
+                loss, z = (t.to(loss_dtype) for t in _python(x, target, kw, reduction, in_place))
+            assert z.grad_fn is None and (loss.grad_fn is not None) == grad
+            dx = torch.autograd.grad(loss, x, g_out)[0].clone() if grad else x
+            outs.append((loss.detach(), z, dx))
+        for name, a, b in zip(("loss", "z_loss", "grad"), *outs):
+            _assert_same(a, b, f"{name} (in_place={in_place}, grad={grad})")
+
+
+def test_harness_refusals_and_autograd_errors(harness, fake_sms) -> None:
+    x = torch.randn(5, 30, requires_grad=True)
+    t = torch.randint(0, 30, (5,))
+
+    def call(x=x, t=t, reduction="mean", in_place=False, loss_dtype=torch.float32, **kw):
+        return _harness_call(harness, x, t, kw, reduction, in_place, loss_dtype)
+
+    for kw in (
+        {"reduction": "avg"}, {"label_smoothing": 1.5}, {"label_smoothing": True}, {"lse_square_scale": -1.0},
+        {"softcap": 0.0}, {"softcap": float("inf")}, {"ignore_index": 1.0}, {"ignore_index": 1 << 70},
+        {"in_place": 1}, {"loss_dtype": torch.float16}, {"t": t[:4]}, {"t": t.float()}, {"t": t.view(5, 1)},
+        {"x": x[:0], "t": t[:0]}, {"x": x.double()}, {"weight": torch.ones(29)},
+        {"weight": torch.ones(30, requires_grad=True)},
+    ):  # fmt: skip
+        assert call(**kw) is None, kw
+    leaf = torch.randn(1, 30, requires_grad=True)
+    assert call(x=leaf.expand(5, 30), in_place=True) is None  # overlapping rows to be overwritten
+    assert call(x=leaf.expand(5, 30)) is not None  # read, not written
+    loss, _ = call(reduction="sum")
+    assert "lck_host::CrossEntropyFn" in loss.grad_fn.name()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cross_entropy: a buffer saved by the forward was modified"):
+        loss.backward()
+    loss, _ = call(reduction="none", label_smoothing=0.1)  # reads what it saved: a second backward works
+    assert "lck_host::CrossEntropyRowsFn" in loss.grad_fn.name()
+    x.grad = None
+    loss.backward(torch.ones(5), retain_graph=True)
+    first = x.grad.clone()
+    loss.backward(torch.ones(5))
+    assert torch.equal(x.grad, 2 * first)
+    y = torch.randn(4, 16, requires_grad=True) * 1
+    other = (y * y).sum()  # saves y, which the in-place gradient overwrites
+    loss, _ = call(x=y, t=torch.randint(0, 16, (4,)), in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
