@@ -20,22 +20,13 @@ from pathlib import Path
 
 import torch
 
-from lck_runtime.benchmarking import gpu_slug, provenance
+from lck_runtime.benchmarking import gpu_slug, provenance, time_loop
 
 N, H, V = 8192, 4096, 128256
 
 
 def _loop_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+    return time_loop(fn, iters=iters, warmup=3)
 
 
 def _profile_chunk(c: int, x, w, gw, gwt, side, iters: int) -> dict[str, float]:

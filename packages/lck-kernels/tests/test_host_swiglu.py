@@ -15,10 +15,6 @@ and in-place buffer reuse.
 
 from __future__ import annotations
 
-import importlib.util
-import sysconfig
-from pathlib import Path
-
 import pytest
 import torch
 from _device import gpu
@@ -403,33 +399,12 @@ def harness():
     if not interpreting():
         pytest.skip("compares with the Python Functions on CPU tensors under TRITON_INTERPRET=1")
     from lck_kernels._host import build
-    from lck_runtime.jit import Jit
-    from lck_runtime.jit.cache import compute_key, ensure_root, get_or_create
-    from lck_runtime.jit.compiler import run_compiler
 
     source = _HARNESS.replace("@HOST@", str(build.HERE)).replace("@PKG@", str(build.PKG))
-    name = "_swiglu_host_harness"
-    filename = name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
     try:
-        cxx, argv_flags = build._compiler(), build.flags()
-    except RuntimeError as exc:  # no compiler or CUDA headers: the real module cannot build here either
+        module = build.load("_swiglu_host_harness", source, label="swiglu host harness")
+    except build.ToolchainMissing as exc:  # the real module cannot build here either
         pytest.skip(str(exc))
-    fields = {**build._key_fields(cxx, argv_flags), "kind": "swiglu-host-harness", "harness": source}
-
-    def produce(tmp: Path) -> dict:
-        (tmp / "harness.cpp").write_text(source)
-        argv = [cxx, str(tmp / "harness.cpp"), "-o", str(tmp / filename), *argv_flags]
-        run_compiler(argv, print_command=False, label="swiglu host harness", timeout=900.0)
-        return {"file": filename}
-
-    jit = Jit(prefix="LCK")
-    root = ensure_root(jit.cache_dir, "LCK_JIT_CACHE_DIR")
-    entry = get_or_create(
-        root, "swiglu_host_harness", compute_key(fields), produce, lock_timeout=jit.lock_timeout
-    )
-    spec = importlib.util.spec_from_file_location(name, entry.payload_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     return module
 
 

@@ -22,14 +22,17 @@ HERE = Path(__file__).resolve().parent
 PKG = HERE.parent
 SOURCES = (HERE / "module.cpp", HERE / "launcher.h", HERE / "checks.h", *sorted(PKG.glob("*/csrc/host.h")))
 MODULE_NAME = "_lck_kernels_host"
-ENTRY_NAME = "kernels_host"
+
+
+class ToolchainMissing(RuntimeError):
+    """No C++ compiler or no CUDA headers here: the module cannot be built on this machine."""
 
 
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
             return shutil.which(name)  # type: ignore[return-value]
-    raise RuntimeError("no C++ compiler: set CXX or put g++ on PATH")
+    raise ToolchainMissing("no C++ compiler: set CXX or put g++ on PATH")
 
 
 def _cuda_include() -> str:
@@ -42,7 +45,7 @@ def _cuda_include() -> str:
     for c in candidates:
         if (c / "cuda.h").is_file():
             return str(c)
-    raise RuntimeError("CUDA headers (cuda.h) not found: set CUDA_HOME")
+    raise ToolchainMissing("CUDA headers (cuda.h) not found: set CUDA_HOME")
 
 
 def flags() -> list[str]:
@@ -79,8 +82,12 @@ def _key_fields(cxx: str, argv_flags: list[str]) -> dict[str, Any]:
     }
 
 
-def build() -> ModuleType:
-    """Import the module, compiling it into the JIT cache first if needed. Raises on any failure."""
+def load(name: str, source: Path | str, *, label: str) -> ModuleType:
+    """Import the extension module ``name`` built from C++ ``source`` against torch, compiling it into the
+    JIT cache first if needed. ``source`` is a file (compiled where it lies, so its relative includes
+    resolve; the key covers every header in ``SOURCES``) or the text of one (for test harnesses, which
+    include the headers by absolute path). Raises :class:`ToolchainMissing` without a compiler or CUDA's
+    headers, ``lck_runtime.jit.JitError`` when the compile fails."""
     from lck_runtime.jit import Jit
     from lck_runtime.jit.cache import compute_key, ensure_root, get_or_create
     from lck_runtime.jit.compiler import run_compiler
@@ -88,22 +95,28 @@ def build() -> ModuleType:
     jit = Jit(prefix="LCK")
     cxx = _compiler()
     argv_flags = flags()
-    fields = _key_fields(cxx, argv_flags)
-    key = compute_key(fields)
-    filename = MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    text = source if isinstance(source, str) else None
+    fields = {**_key_fields(cxx, argv_flags), "name": name, "text": text}
+    filename = name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 
     def produce(tmp: Path) -> dict[str, Any]:
-        argv = [cxx, str(HERE / "module.cpp"), "-o", str(tmp / filename), *argv_flags]
-        seconds = run_compiler(
-            argv, print_command=jit.settings.print_command, label="lck-kernels host", timeout=900.0
-        )
+        src = Path(source) if text is None else tmp / f"{name}.cpp"
+        if text is not None:
+            src.write_text(text)
+        argv = [cxx, str(src), "-o", str(tmp / filename), *argv_flags]
+        seconds = run_compiler(argv, print_command=jit.settings.print_command, label=label, timeout=900.0)
         return {"file": filename, "argv": argv, "compile_seconds": round(seconds, 3), "fields": fields}
 
     root = ensure_root(jit.cache_dir, "LCK_JIT_CACHE_DIR")
-    entry = get_or_create(root, ENTRY_NAME, key, produce, lock_timeout=jit.lock_timeout)
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, entry.payload_path)
+    entry = get_or_create(root, name.strip("_"), compute_key(fields), produce, lock_timeout=jit.lock_timeout)
+    spec = importlib.util.spec_from_file_location(name, entry.payload_path)
     if spec is None or spec.loader is None:
         raise RuntimeError(f"cannot import {entry.payload_path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build() -> ModuleType:
+    """Import lck-kernels' host module (``module.cpp``), compiling it first if needed. Raises on any failure."""
+    return load(MODULE_NAME, HERE / "module.cpp", label="lck-kernels host")
