@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 from _device import gpu
+from _host_harness import load_harness
 
 import lck_kernels as L
 from lck_kernels import _common, _host
-from lck_kernels._common import interpreting
 from lck_kernels.cross_entropy import launch as ce_launch
 from lck_kernels.cross_entropy.ops import cross_entropy_apply, cross_entropy_fwd, cross_entropy_rows_apply
 
@@ -346,15 +346,7 @@ PYBIND11_MODULE(_cross_entropy_host_harness, m) {
 def harness():
     """The harness module with the plans and the interpreter wired in, built once per machine into the LCK
     JIT cache (tens of seconds)."""
-    if not interpreting():
-        pytest.skip("compares with the Python Functions on CPU tensors under TRITON_INTERPRET=1")
-    from lck_kernels._host import build
-
-    source = _HARNESS.replace("@HOST@", str(build.HERE)).replace("@PKG@", str(build.PKG))
-    try:
-        module = build.load("_cross_entropy_host_harness", source, label="cross entropy host harness")
-    except build.ToolchainMissing as exc:  # the real module cannot build here either
-        pytest.skip(str(exc))
+    module = load_harness("_cross_entropy_host_harness", _HARNESS, "cross entropy host harness")
     slots: dict[int, int] = {}
 
     def slot(launch: Any) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _device import gpu
+from _host_harness import load_harness
 
 import lck_kernels as L
 from lck_kernels import _host
@@ -396,15 +397,7 @@ PYBIND11_MODULE(_swiglu_host_harness, m) {
 @pytest.fixture(scope="module")
 def harness():
     """The harness module, built once per machine into the LCK JIT cache (tens of seconds)."""
-    if not interpreting():
-        pytest.skip("compares with the Python Functions on CPU tensors under TRITON_INTERPRET=1")
-    from lck_kernels._host import build
-
-    source = _HARNESS.replace("@HOST@", str(build.HERE)).replace("@PKG@", str(build.PKG))
-    try:
-        module = build.load("_swiglu_host_harness", source, label="swiglu host harness")
-    except build.ToolchainMissing as exc:  # the real module cannot build here either
-        pytest.skip(str(exc))
+    module = load_harness("_swiglu_host_harness", _HARNESS, "swiglu host harness")
     return module
 
 
