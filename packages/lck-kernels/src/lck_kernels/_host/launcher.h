@@ -16,6 +16,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -59,7 +60,7 @@ struct Registry {
   std::mutex mu;  // guards slots' maps (backward runs on autograd's device threads)
   std::vector<Slot> slots;
   py::object compile_cb;  // (launch, grid, args) -> None | (fn, block, shared, scratch, params bytes)
-  uint64_t direct_launches = 0, python_launches = 0;
+  std::atomic<uint64_t> direct_launches{0}, python_launches{0};  // launches from C++ / handed to Triton
 };
 
 inline Registry& registry() {
@@ -232,7 +233,7 @@ void launch(int slot, std::array<unsigned, 3> grid, int device, const std::array
     if (d.error_name != nullptr) d.error_name(rc, &name);
     throw std::runtime_error(std::string("lck host: cuLaunchKernel failed: ") + name);
   }
-  ++reg.direct_launches;  // a statistic; races between threads only miscount
+  reg.direct_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 inline int add_slot(py::object launch_obj) {

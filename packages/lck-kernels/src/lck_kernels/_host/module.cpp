@@ -17,7 +17,7 @@ PYBIND11_MODULE(_lck_kernels_host, m) {
   m.def("launch_counts", [] {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
-    return py::make_tuple(r.direct_launches, r.python_launches);
+    return py::make_tuple(r.direct_launches.load(), r.python_launches.load());
   });
   bind_rms_norm(m);
   bind_swiglu(m);
