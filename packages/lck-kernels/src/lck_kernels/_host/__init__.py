@@ -11,7 +11,8 @@ Python is only consulted the first time a shape or a variant is seen: the plan c
 again (or that it must keep going through Triton: scratch memory, clusters, tensor descriptors).
 
 Used only for plain eager calls on CUDA tensors (:func:`ready`); ``torch.compile``, fake tensors, modes,
-tuning overrides and Triton launch hooks keep the Python ops. ``LCK_KERNELS_HOST=0`` turns it off. The
+tuning overrides and Triton launch hooks keep the Python ops. ``LCK_KERNELS_HOST=0`` (set before the first
+call) turns it off. The
 module is compiled on first use (tens of seconds, once per machine: ``build.py``); if that fails, one
 warning says why and the Python path runs.
 """
@@ -70,11 +71,13 @@ def ready(*tensors: Any) -> ModuleType | None:
     call, no tuning override, no launch hook; else None. The module's entry points check everything else
     and answer None for what they do not take."""
     x = tensors[0]
-    if type(x) not in _PLAIN or not x.is_cuda or not enabled() or _common._OVERRIDES:
+    if type(x) not in _PLAIN or not x.is_cuda or _common._OVERRIDES:
         return None
-    if not plain_eager(tensors) or launch_hooked():
+    # LCK_KERNELS_HOST is read until the module is built (reading the environment costs ~1.5 µs a call).
+    mod = _module if _module is not None else (module() if enabled() else None)
+    if mod is None or not plain_eager(tensors) or launch_hooked():
         return None
-    return module()
+    return mod
 
 
 def launch_counts() -> tuple[int, int]:

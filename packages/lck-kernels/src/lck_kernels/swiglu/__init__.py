@@ -56,11 +56,12 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Returns a contiguous tensor of that shape and dtype; differentiable in both inputs.
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
-    check_swiglu_inputs("swiglu", a, b)
-    if a.is_cuda and (host := _host.ready(a, b)) is not None:  # the C++ autograd Function
+    host = _host.ready(a, b)
+    if host is not None:  # the C++ autograd Function, which checks what it takes
         c = host.swiglu(a, b)
-        if c is not None:  # None: a call it does not take (zero rows, say) runs the Python op
+        if c is not None:  # None: a call it does not take (zero rows, bad input) runs the Python checks
             return c
+    check_swiglu_inputs("swiglu", a, b)
     return swiglu_apply(a, b)
 
 
@@ -74,13 +75,14 @@ def swiglu_packed(y: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     (``y``'s contents are lost; a second backward through the graph raises ``RuntimeError``).
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
-    check_swiglu_packed_inputs("swiglu_packed", y)
-    if not isinstance(in_place, bool):
-        raise TypeError(f"swiglu_packed: in_place must be a bool, got {type(in_place).__name__}")
-    if y.is_cuda and (host := _host.ready(y)) is not None:  # the C++ autograd Function, as in swiglu
+    host = _host.ready(y)
+    if host is not None:  # the C++ autograd Function, as in swiglu
         out = host.swiglu_packed(y, in_place)
         if out is not None:
             return out
+    check_swiglu_packed_inputs("swiglu_packed", y)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"swiglu_packed: in_place must be a bool, got {type(in_place).__name__}")
     return swiglu_packed_apply(y, in_place)
 
 
