@@ -306,7 +306,7 @@ def test_host_plans_refuse_the_split_forward(fake_sms: None) -> None:
 # CPU: host.h's entry and Functions, every launch handed to the Triton interpreter (no GPU needed)
 # ---------------------------------------------------------------------------------------------------------
 
-# launch<6/7/19/22> (the reduction, rescale, forward and backward kernels' runtime arguments) specialised before
+# launch_args<6/7/19/22> (the reduction, rescale, forward and backward kernels' runtime arguments) specialised before
 # host.h is included: each calls the Python callback with (Launch, grid, args), which runs the kernel under
 # TRITON_INTERPRET=1 on the CPU tensors. The CUDA guard becomes a no-op and is_cuda() is_cpu(), so the entry
 # takes CPU tensors; everything else is host.h as built for the GPU.
@@ -328,10 +328,10 @@ template <size_t N> void interpret(int slot, std::array<unsigned, 3> grid, const
   reg.compile_cb(launch_obj, py::make_tuple(grid[0], grid[1], grid[2]), py_args(args));
   ++reg.python_launches;
 }
-template <> void launch<6>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 6>& a) { interpret(s, g, a); }
-template <> void launch<7>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 7>& a) { interpret(s, g, a); }
-template <> void launch<19>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 19>& a) { interpret(s, g, a); }
-template <> void launch<22>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 22>& a) { interpret(s, g, a); }
+template <> void launch_args<6>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 6>& a) { interpret(s, g, a); }
+template <> void launch_args<7>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 7>& a) { interpret(s, g, a); }
+template <> void launch_args<19>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 19>& a) { interpret(s, g, a); }
+template <> void launch_args<22>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 22>& a) { interpret(s, g, a); }
 }  // namespace lck_host
 #include "@PKG@/cross_entropy/csrc/host.h"
 PYBIND11_MODULE(_cross_entropy_host_harness, m) {

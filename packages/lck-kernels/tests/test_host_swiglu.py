@@ -334,7 +334,7 @@ def test_cpu_tensors_never_reach_the_host_path(monkeypatch: pytest.MonkeyPatch) 
 # CPU: host.h's Functions with the launch stood in for (no GPU needed)
 # ---------------------------------------------------------------------------------------------------------
 
-# launch<8> / launch<12> (the forward and backward kernels' runtime arguments) specialised before host.h is
+# launch_args<8> / launch_args<12> (the forward and backward kernels' runtime arguments) specialised before host.h is
 # included: log (slot, grid, args) and compute with torch ops, bumping no version (as a kernel launch); the
 # CUDA guard becomes a no-op so CPU tensors pass.
 _HARNESS = r"""
@@ -364,13 +364,13 @@ template <size_t N> void fake_record(int slot, std::array<unsigned, 3> grid, con
   fake_log().append(py::make_tuple(py::int_(slot), py::make_tuple(py::int_(grid[0]), py::int_(grid[1]),
                                    py::int_(grid[2])), out));
 }
-template <> void launch<8>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 8>& args) {
+template <> void launch_args<8>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 8>& args) {
   fake_record(slot, grid, args);
   at::Tensor a = args[0].tensor->to(at::kFloat), b = args[1].tensor->to(at::kFloat);
   at::AutoDispatchBelowADInplaceOrView below;
   at::Tensor(*args[2].tensor).copy_(a * at::sigmoid(a) * b);
 }
-template <> void launch<12>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 12>& args) {
+template <> void launch_args<12>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 12>& args) {
   fake_record(slot, grid, args);
   at::Tensor a = args[0].tensor->to(at::kFloat), b = args[1].tensor->to(at::kFloat);
   at::Tensor dc = args[2].tensor->to(at::kFloat), s = at::sigmoid(a), silu = a * s;

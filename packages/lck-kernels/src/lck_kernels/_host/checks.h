@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cmath>
+#include <initializer_list>
 
 namespace lck_host {
 
@@ -39,6 +40,17 @@ inline bool boolean(py::handle h, bool* out) {
     return true;
   }
   return false;
+}
+
+// The index of the str `h` in `names`, or -1 (not a str, or none of them); no allocation.
+inline int choice(py::handle h, std::initializer_list<const char*> names) {
+  if (!PyUnicode_Check(h.ptr())) return -1;
+  int k = 0;
+  for (const char* name : names) {
+    if (PyUnicode_CompareWithASCIIString(h.ptr(), name) == 0) return k;
+    ++k;
+  }
+  return -1;
 }
 
 // A non-empty CUDA tensor whose leading dimensions collapse into rows of unit column stride without a

@@ -13,12 +13,14 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -30,8 +32,7 @@ namespace lck_host {
 namespace py = pybind11;
 
 struct Arg {
-  // kMissing: a slot launch<N> was given fewer than N arguments for (refused, never read as a tensor).
-  enum Kind : uint8_t { kMissing, kPtr, kInt, kFloat } kind = kMissing;
+  enum Kind : uint8_t { kPtr, kInt, kFloat } kind;
   const at::Tensor* tensor = nullptr;  // kPtr
   int64_t i = 0;                       // kInt
   double f = 0.0;                      // kFloat
@@ -91,10 +92,10 @@ inline const Driver& driver() {
   return d;
 }
 
+// The variant key of a launch into `key` (reused: no allocation per launch once it has grown).
 template <size_t N>
-std::string variant_key(int device, const std::array<Arg, N>& args) {
-  std::string key;
-  key.reserve(1 + 2 * N);
+void variant_key(int device, const std::array<Arg, N>& args, std::string& key) {
+  key.clear();
   key.push_back(static_cast<char>(device));
   for (const Arg& a : args) {
     switch (a.kind) {
@@ -115,11 +116,8 @@ std::string variant_key(int device, const std::array<Arg, N>& args) {
         key.push_back('f');
         key.push_back('f');
         break;
-      default:
-        throw std::logic_error("lck host: launch<N> was given fewer than N arguments");
     }
   }
-  return key;
 }
 
 template <size_t N>
@@ -153,12 +151,12 @@ inline Variant parse_variant(const py::handle& desc) {
   return v;
 }
 
-// Launch slot `slot` over `grid` with `args` on the current stream of `device`.
 template <size_t N>
-void launch(int slot, std::array<unsigned, 3> grid, int device, const std::array<Arg, N>& args) {
+void launch_args(int slot, std::array<unsigned, 3> grid, int device, const std::array<Arg, N>& args) {
   if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return;
   Registry& reg = registry();
-  const std::string key = variant_key(device, args);
+  thread_local std::string key;
+  variant_key(device, args, key);
   const Variant* v = nullptr;
   {
     std::lock_guard<std::mutex> lock(reg.mu);
@@ -168,6 +166,7 @@ void launch(int slot, std::array<unsigned, 3> grid, int device, const std::array
   }
   if (v == nullptr || v->python_only) {
     // First call of this variant (or one Triton must launch itself): Python launches it now.
+    const std::string miss_key = key;  // the thread's buffer is free again while Python runs
     py::gil_scoped_acquire gil;
     py::object launch_obj;
     {
@@ -178,7 +177,7 @@ void launch(int slot, std::array<unsigned, 3> grid, int device, const std::array
     py::object desc = reg.compile_cb(launch_obj, g, py_args(args));
     std::lock_guard<std::mutex> lock(reg.mu);
     ++reg.python_launches;
-    if (v == nullptr) reg.slots.at(slot).variants.emplace(key, parse_variant(desc));
+    if (v == nullptr) reg.slots.at(slot).variants.emplace(miss_key, parse_variant(desc));
     return;
   }
   if (v->params.size() != N) throw std::runtime_error("lck host: variant arity mismatch");
@@ -235,6 +234,51 @@ void launch(int slot, std::array<unsigned, 3> grid, int device, const std::array
   }
   reg.direct_launches.fetch_add(1, std::memory_order_relaxed);
 }
+
+// Launch slot `slot` over `grid` on the current stream of `device` with the kernel's runtime arguments
+// (ptr / i / f, in its order: everything before its constexprs).
+template <class... A>
+void launch(int slot, std::array<unsigned, 3> grid, int device, const A&... args) {
+  launch_args<sizeof...(A)>(slot, grid, device, std::array<Arg, sizeof...(A)>{args...});
+}
+
+// Launch plans asked of Python once per key (shape, dtype, device, options) and kept; Plan::from reads the
+// callback's answer. Never destroyed with the interpreter: owners allocate it and leak it on purpose.
+template <class Key, class Plan>
+class PlanCache {
+ public:
+  void reset(py::object cb) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cb_ = std::move(cb);
+    plans_.clear();
+  }
+
+  template <class... A>
+  Plan get(const Key& key, const A&... args) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = plans_.find(key);
+      if (it != plans_.end()) return it->second;
+    }
+    py::gil_scoped_acquire gil;  // the backward runs without it
+    py::object cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cb = cb_;
+    }
+    const Plan plan = Plan::from(cb(args...));
+    std::lock_guard<std::mutex> lock(mu_);
+    plans_.emplace(key, plan);
+    return plan;
+  }
+
+ private:
+  std::mutex mu_;
+  py::object cb_;
+  std::map<Key, Plan> plans_;
+};
+
+inline py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
 
 inline int add_slot(py::object launch_obj) {
   Registry& reg = registry();

@@ -19,7 +19,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <map>
 #include <optional>
 #include <tuple>
 
@@ -32,16 +31,25 @@ namespace lck_host {
 struct CeLaunch {
   int slot = -1;
   unsigned grid = 0;
+  static CeLaunch from(py::handle h) {
+    if (h.is_none()) return {};
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int>(), t[1].cast<unsigned>()};
+  }
+};
+
+// The reduction kernel's slot.
+struct CeSlot {
+  int slot;
+  static CeSlot from(py::handle h) { return {h.cast<int>()}; }
 };
 
 // (rows, columns, element size / device / flags packed by ce_key)
 using CeKey = std::tuple<int64_t, int64_t, int64_t>;
 
 struct CePlans {
-  std::mutex mu;
-  py::object red_cb, fwd_cb, bwd_cb, rescale_cb;
-  int red[2][2] = {{-1, -1}, {-1, -1}};  // [mean][has_weight] -> slot of the reduction kernel
-  std::map<CeKey, CeLaunch> fwd, bwd, rescale;
+  PlanCache<int, CeSlot> red;  // key: mean * 2 + has_weight
+  PlanCache<CeKey, CeLaunch> fwd, bwd, rescale;
 };
 
 inline CePlans& ce_plans() {
@@ -66,58 +74,26 @@ inline int64_t ce_key(int64_t esize, int device, int64_t flags) {
   return flags | (esize << 8) | (int64_t(device) << 16);
 }
 
-template <typename Ask>
-CeLaunch ce_cached(std::map<CeKey, CeLaunch> CePlans::*table, const CeKey& key, Ask ask) {
-  CePlans& p = ce_plans();
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    auto it = (p.*table).find(key);
-    if (it != (p.*table).end()) return it->second;
-  }
-  py::gil_scoped_acquire gil;
-  py::object r = ask(p);
-  CeLaunch plan;
-  if (!r.is_none()) {
-    auto t = r.cast<py::tuple>();
-    plan = CeLaunch{t[0].cast<int>(), t[1].cast<unsigned>()};
-  }
-  std::lock_guard<std::mutex> lock(p.mu);
-  (p.*table).emplace(key, plan);
-  return plan;
-}
-
 // launch_fwd's kernel: the loss+gradient kernel with `grad`, else the loss-only one (None: Python path).
 inline CeLaunch ce_fwd_plan(int64_t rows, int64_t cols, int64_t esize, int device, const CeCall& c, bool grad) {
   const int64_t flags = c.flags() | (int64_t(grad) << 4);
-  return ce_cached(&CePlans::fwd, CeKey{rows, cols, ce_key(esize, device, flags)}, [&](CePlans& p) {
-    return p.fwd_cb(rows, cols, esize, device, c.has_weight, c.smooth, c.has_z, c.has_softcap, grad);
-  });
+  return ce_plans().fwd.get(CeKey{rows, cols, ce_key(esize, device, flags)}, rows, cols, esize, device,
+                            c.has_weight, c.smooth, c.has_z, c.has_softcap, grad);
 }
 
 // launch_bwd's kernel with a per-row loss gradient (reduction "none").
 inline CeLaunch ce_bwd_plan(int64_t rows, int64_t cols, int64_t esize, int device, const CeCall& c) {
-  return ce_cached(&CePlans::bwd, CeKey{rows, cols, ce_key(esize, device, c.flags())}, [&](CePlans& p) {
-    return p.bwd_cb(rows, cols, esize, device, c.has_weight, c.smooth, c.has_z, c.has_softcap);
-  });
+  return ce_plans().bwd.get(CeKey{rows, cols, ce_key(esize, device, c.flags())}, rows, cols, esize, device,
+                            c.has_weight, c.smooth, c.has_z, c.has_softcap);
 }
 
 // launch_rescale_rows' kernel.
 inline CeLaunch ce_rescale_plan(int64_t rows, int64_t cols, int device) {
-  return ce_cached(&CePlans::rescale, CeKey{rows, cols, ce_key(0, device, 0)},
-                   [&](CePlans& p) { return p.rescale_cb(rows, cols, device); });
+  return ce_plans().rescale.get(CeKey{rows, cols, ce_key(0, device, 0)}, rows, cols, device);
 }
 
 inline int ce_red_slot(bool mean, bool has_weight) {
-  CePlans& p = ce_plans();
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    if (p.red[mean][has_weight] >= 0) return p.red[mean][has_weight];
-  }
-  py::gil_scoped_acquire gil;
-  const int s = p.red_cb(mean, has_weight).cast<int>();
-  std::lock_guard<std::mutex> lock(p.mu);
-  p.red[mean][has_weight] = s;
-  return s;
+  return ce_plans().red.get(int(mean) * 2 + int(has_weight), mean, has_weight).slot;
 }
 
 // launch_reduction: [Σ w_t, n_valid, cw, cz, Σ w_c] over the non-ignored targets.
@@ -125,8 +101,8 @@ inline at::Tensor ce_reduction(const at::Tensor& target, const at::Tensor& weigh
                                bool mean, int device) {
   at::Tensor red = at::empty({5}, target.options().dtype(at::kFloat));
   const at::Tensor& w = c.has_weight ? weight : red;
-  launch<6>(ce_red_slot(mean, c.has_weight), {1, 1, 1}, device,
-            {ptr(target), ptr(w), ptr(red), i(target.numel()), i(cols), i(c.ignore_index)});
+  launch(ce_red_slot(mean, c.has_weight), {1, 1, 1}, device, ptr(target), ptr(w), ptr(red), i(target.numel()),
+         i(cols), i(c.ignore_index));
   return red;
 }
 
@@ -150,10 +126,9 @@ inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, cons
   const at::Tensor& w = c.has_weight ? weight : lse;
   const at::Tensor& z_rows = c.has_z ? zl : lse;
   const at::Tensor& applied_arg = grad != nullptr ? applied : lse;
-  launch<19>(c.fwd.slot, {c.fwd.grid, 1, 1}, device,
-             {ptr(logits), i(logits.stride(0)), ptr(g), i(grad != nullptr ? grad->stride(0) : 0), ptr(target),
-              ptr(w), ptr(red), ptr(ce), ptr(z_rows), ptr(lse), ptr(lse), ptr(applied_arg), i(n), i(v),
-              i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap)});
+  launch(c.fwd.slot, {c.fwd.grid, 1, 1}, device, ptr(logits), i(logits.stride(0)), ptr(g),
+         i(grad != nullptr ? grad->stride(0) : 0), ptr(target), ptr(w), ptr(red), ptr(ce), ptr(z_rows), ptr(lse),
+         ptr(lse), ptr(applied_arg), i(n), i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap));
   CeOut out{at::Tensor(), at::Tensor(), lse, applied};
   if (c.reduction == 0) {
     if (!c.has_z) {
@@ -224,8 +199,8 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     const int device = grad.get_device();
     const int64_t n = grad.size(0), v = grad.size(1);
     const CeLaunch plan = ce_rescale_plan(n, v, device);
-    launch<7>(plan.slot, {plan.grid, 1, 1}, device,
-              {ptr(grad), i(grad.stride(0)), ptr(applied), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), i(n), i(v)});
+    launch(plan.slot, {plan.grid, 1, 1}, device, ptr(grad), i(grad.stride(0)), ptr(applied), ptr(g),
+           i(g.dim() == 1 ? g.stride(0) : 0), i(n), i(v));
     // cross_entropy_rescale_ mutates both: a second backward over a retained graph then refuses them.
     grad.unsafeGetTensorImpl()->bump_version();
     applied.unsafeGetTensorImpl()->bump_version();
@@ -276,10 +251,9 @@ class CrossEntropyRowsFn : public torch::autograd::Function<CrossEntropyRowsFn> 
     at::Tensor red = ce_reduction(target, weight, v, c, false, device);
     const CeLaunch plan = ce_bwd_plan(n, v, logits.element_size(), device, c);
     const at::Tensor& w = c.has_weight ? weight : lse;
-    launch<22>(plan.slot, {plan.grid, 1, 1}, device,
-               {ptr(logits), i(logits.stride(0)), ptr(grad), i(grad.stride(0)), ptr(target), ptr(w), ptr(red),
-                ptr(lse), ptr(lse), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), ptr(lse), i(0), ptr(lse), i(0), i(n),
-                i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap)});
+    launch(plan.slot, {plan.grid, 1, 1}, device, ptr(logits), i(logits.stride(0)), ptr(grad), i(grad.stride(0)),
+           ptr(target), ptr(w), ptr(red), ptr(lse), ptr(lse), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), ptr(lse),
+           i(0), ptr(lse), i(0), i(n), i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap));
     if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();  // cross_entropy_bwd_ mutates the logits
     return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -297,8 +271,6 @@ inline bool ce_int(py::handle h, int64_t* out) {
   }
   return true;
 }
-
-inline py::object ce_wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
 
 // cross_entropy(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
 // return_z_loss, in_place, loss_dtype) -> what cross_entropy returns, or None (see the file comment).
@@ -338,12 +310,7 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
   }
   c.smooth = c.eps > 0.0;
   c.has_z = c.z_scale > 0.0;
-  PyObject* r = reduction_h.ptr();
-  if (!PyUnicode_Check(r)) return py::none();
-  c.reduction = PyUnicode_CompareWithASCIIString(r, "none") == 0  ? 0
-                : PyUnicode_CompareWithASCIIString(r, "sum") == 0 ? 1
-                : PyUnicode_CompareWithASCIIString(r, "mean") == 0 ? 2
-                                                                   : -1;
+  c.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.reduction < 0 || !boolean(return_z_h, &return_z) || !boolean(in_place_h, &in_place)) return py::none();
   if (!THPDtype_Check(loss_dtype_h.ptr())) return py::none();
   const at::ScalarType loss_dtype = reinterpret_cast<THPDtype*>(loss_dtype_h.ptr())->scalar_type;
@@ -367,22 +334,17 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
     loss = outs[0], z = outs[1];
   }
   loss = loss.to(loss_dtype);
-  if (!return_z) return ce_wrap(loss);
-  return py::make_tuple(ce_wrap(loss), ce_wrap(z.to(loss_dtype)));
+  if (!return_z) return wrap(loss);
+  return py::make_tuple(wrap(loss), wrap(z.to(loss_dtype)));
 }
 
 inline void bind_cross_entropy(py::module& m) {
   m.def("cross_entropy_set_plans", [](py::object red, py::object fwd, py::object bwd, py::object rescale) {
     CePlans& p = ce_plans();
-    std::lock_guard<std::mutex> lock(p.mu);
-    p.red_cb = std::move(red);
-    p.fwd_cb = std::move(fwd);
-    p.bwd_cb = std::move(bwd);
-    p.rescale_cb = std::move(rescale);
-    p.red[0][0] = p.red[0][1] = p.red[1][0] = p.red[1][1] = -1;
-    p.fwd.clear();
-    p.bwd.clear();
-    p.rescale.clear();
+    p.red.reset(std::move(red));
+    p.fwd.reset(std::move(fwd));
+    p.bwd.reset(std::move(bwd));
+    p.rescale.reset(std::move(rescale));
   });
   m.def("cross_entropy", &cross_entropy_entry, "cross entropy through the C++ autograd Functions, or None");
 }

@@ -8,9 +8,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <map>
 #include <tuple>
 
 #include "../../_host/checks.h"
@@ -21,55 +18,29 @@ namespace lck_host {
 struct RmsFwdPlan {
   int slot;
   int64_t rows_per_program;
+  static RmsFwdPlan from(py::handle h) {
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int>(), t[1].cast<int64_t>()};
+  }
 };
 struct RmsBwdPlan {
   int64_t programs, per_program, tiles, dw_programs;
   int a, b, dw;  // the row kernel (or the tiled path's dot kernel), the tiled kernel or -1, the dweight sum
+  static RmsBwdPlan from(py::handle h) {
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+            t[4].cast<int>(),     t[5].cast<int>(),     t[6].cast<int>()};
+  }
 };
 
 struct RmsPlans {
-  std::mutex mu;
-  py::object fwd_cb, bwd_cb;
-  std::unordered_map<int64_t, RmsFwdPlan> fwd;  // key: (n_cols, element size, casting)
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int>, RmsBwdPlan> bwd;
+  PlanCache<std::tuple<int64_t, int64_t, int64_t>, RmsFwdPlan> fwd;  // (n_cols, element size, casting)
+  PlanCache<std::tuple<int64_t, int64_t, int64_t, int64_t, int>, RmsBwdPlan> bwd;  // (rows, ..., device)
 };
 
 inline RmsPlans& rms_plans() {
-  static RmsPlans* p = new RmsPlans();
+  static RmsPlans* p = new RmsPlans();  // never destroyed: holds py::objects
   return *p;
-}
-
-inline RmsFwdPlan rms_fwd_plan(int64_t n_cols, int64_t esize, int64_t casting) {
-  RmsPlans& p = rms_plans();
-  const int64_t key = (n_cols << 8) | (esize << 2) | casting;
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    auto it = p.fwd.find(key);
-    if (it != p.fwd.end()) return it->second;
-  }
-  py::gil_scoped_acquire gil;
-  auto t = p.fwd_cb(n_cols, esize, casting).cast<py::tuple>();
-  RmsFwdPlan plan{t[0].cast<int>(), t[1].cast<int64_t>()};
-  std::lock_guard<std::mutex> lock(p.mu);
-  p.fwd.emplace(key, plan);
-  return plan;
-}
-
-inline RmsBwdPlan rms_bwd_plan(int64_t n_rows, int64_t n_cols, int64_t esize, int64_t casting, int device) {
-  RmsPlans& p = rms_plans();
-  const auto key = std::make_tuple(n_rows, n_cols, esize, casting, device);
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    auto it = p.bwd.find(key);
-    if (it != p.bwd.end()) return it->second;
-  }
-  py::gil_scoped_acquire gil;
-  auto t = p.bwd_cb(n_rows, n_cols, esize, casting, device).cast<py::tuple>();
-  RmsBwdPlan plan{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
-                  t[4].cast<int>(),     t[5].cast<int>(),     t[6].cast<int>()};
-  std::lock_guard<std::mutex> lock(p.mu);
-  p.bwd.emplace(key, plan);
-  return plan;
 }
 
 class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
@@ -84,11 +55,11 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     at::Tensor y = at::empty(x.sizes(), x.options());
     at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
     if (rows > 0) {
-      const RmsFwdPlan plan = rms_fwd_plan(n, x.element_size(), casting);
+      const int64_t esize = x.element_size();
+      const RmsFwdPlan plan = rms_plans().fwd.get({n, esize, casting}, n, esize, casting);
       at::Tensor y2 = y.view({-1, n});
-      launch<10>(plan.slot, {cdiv(rows, plan.rows_per_program), 1, 1}, device,
-                 {ptr(x2), ptr(weight), ptr(y2), ptr(rstd), i(rows), i(n), i(x2.stride(0)), i(y2.stride(0)),
-                  f(eps), f(offset)});
+      launch(plan.slot, {cdiv(rows, plan.rows_per_program), 1, 1}, device, ptr(x2), ptr(weight), ptr(y2),
+             ptr(rstd), i(rows), i(n), i(x2.stride(0)), i(y2.stride(0)), f(eps), f(offset));
     }
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["offset"] = offset;
@@ -118,26 +89,27 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     if (rows == 0) {
       dw = at::zeros_like(weight);
     } else {
-      const RmsBwdPlan plan = rms_bwd_plan(rows, n, x.element_size(), casting, device);
+      const int64_t esize = x.element_size();
+      const RmsBwdPlan plan =
+          rms_plans().bwd.get({rows, n, esize, casting, device}, rows, n, esize, casting, device);
       at::Tensor dy2 = dy.view({-1, n}), x2 = x.view({-1, n}), dx2 = dx.view({-1, n});
       at::Tensor partial = at::empty({plan.programs, n}, x.options().dtype(at::kFloat));
       const unsigned programs = static_cast<unsigned>(plan.programs);
       if (plan.b < 0) {
-        launch<13>(plan.a, {programs, 1, 1}, device,
-                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dx2), ptr(partial), i(rows), i(n),
-                    i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)), f(offset)});
+        launch(plan.a, {programs, 1, 1}, device, ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dx2),
+               ptr(partial), i(rows), i(n), i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)),
+               i(dx2.stride(0)), f(offset));
       } else {
         at::Tensor dot = at::empty({rows}, x.options().dtype(at::kFloat));
-        launch<10>(plan.a, {static_cast<unsigned>(rows), 1, 1}, device,
-                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dot), i(rows), i(n), i(dy2.stride(0)),
-                    i(x2.stride(0)), f(offset)});
-        launch<14>(plan.b, {static_cast<unsigned>(plan.tiles), programs, 1}, device,
-                   {ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dot), ptr(dx2), ptr(partial), i(rows),
-                    i(n), i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)),
-                    f(offset)});
+        launch(plan.a, {static_cast<unsigned>(rows), 1, 1}, device, ptr(dy2), ptr(x2), ptr(weight), ptr(rstd),
+               ptr(dot), i(rows), i(n), i(dy2.stride(0)), i(x2.stride(0)), f(offset));
+        launch(plan.b, {static_cast<unsigned>(plan.tiles), programs, 1}, device, ptr(dy2), ptr(x2), ptr(weight),
+               ptr(rstd), ptr(dot), ptr(dx2), ptr(partial), i(rows), i(n), i(plan.per_program),
+               i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)), f(offset));
       }
       dw = at::empty({n}, weight.options());
-      launch<4>(plan.dw, {static_cast<unsigned>(plan.dw_programs), 1, 1}, device, {ptr(partial), ptr(dw), i(plan.programs), i(n)});
+      launch(plan.dw, {static_cast<unsigned>(plan.dw_programs), 1, 1}, device, ptr(partial), ptr(dw),
+             i(plan.programs), i(n));
     }
     const bool need_w = ctx->needs_input_grad(1);
     return {dx, need_w ? dw : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -154,25 +126,19 @@ inline py::object rms_norm_entry(py::handle xh, py::handle wh, py::handle eps_h,
   bool in_place;
   if (!number(eps_h, &eps) || eps < 0 || !number(offset_h, &offset) || !boolean(in_place_h, &in_place))
     return py::none();
-  if (!PyUnicode_Check(casting_h.ptr())) return py::none();
-  const std::string casting_s = casting_h.cast<std::string>();
-  const int64_t casting = casting_s == "llama" ? 0 : casting_s == "gemma" ? 1 : casting_s == "none" ? 2 : -1;
+  const int64_t casting = choice(casting_h, {"llama", "gemma", "none"});  // CASTING_MODES' order
   if (casting < 0 || !x.is_cuda() || !float_dtype(x.scalar_type()) || !float_dtype(weight.scalar_type()))
     return py::none();
   if (weight.device() != x.device() || weight.dim() != 1 || !rows_ok(x)) return py::none();
   const int64_t n = x.size(-1);
   if (weight.size(0) != n || (n > 1 && weight.stride(0) != 1)) return py::none();
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(RMSNormFn::apply(x, weight, eps, offset, casting, in_place)));
+  return wrap(RMSNormFn::apply(x, weight, eps, offset, casting, in_place));
 }
 
 inline void bind_rms_norm(py::module& m) {
   m.def("rms_norm_set_plans", [](py::object fwd, py::object bwd) {
-    RmsPlans& p = rms_plans();
-    std::lock_guard<std::mutex> lock(p.mu);
-    p.fwd_cb = std::move(fwd);
-    p.bwd_cb = std::move(bwd);
-    p.fwd.clear();
-    p.bwd.clear();
+    rms_plans().fwd.reset(std::move(fwd));
+    rms_plans().bwd.reset(std::move(bwd));
   });
   m.def("rms_norm", &rms_norm_entry, "RMSNorm through the C++ autograd Function, or None");
 }

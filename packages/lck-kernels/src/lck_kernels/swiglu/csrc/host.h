@@ -11,9 +11,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <mutex>
 #include <stdexcept>
-#include <unordered_map>
+#include <utility>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
@@ -23,33 +22,20 @@ namespace lck_host {
 struct SwigluPlan {
   int slot;
   int64_t block_m, block_n;  // the launch's tile: grid = cdiv(rows, block_m) * cdiv(n, block_n)
+  static SwigluPlan from(py::handle h) {
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int>(), t[1].cast<int64_t>(), t[2].cast<int64_t>()};
+  }
 };
 
-struct SwigluPlans {
-  std::mutex mu;
-  py::object cb[2];                                // forward, backward: (n_cols, element size) -> plan
-  std::unordered_map<int64_t, SwigluPlan> plan[2];  // key: (n_cols, element size)
-};
-
-inline SwigluPlans& swiglu_plans() {
-  static SwigluPlans* p = new SwigluPlans();  // never destroyed: holds py::objects
-  return *p;
+// Forward and backward plans, each keyed by (n_cols, element size).
+inline PlanCache<std::pair<int64_t, int64_t>, SwigluPlan>* swiglu_plans() {
+  static auto* p = new PlanCache<std::pair<int64_t, int64_t>, SwigluPlan>[2];  // never destroyed: py::objects
+  return p;
 }
 
 inline SwigluPlan swiglu_plan(int bwd, int64_t n_cols, int64_t esize) {
-  SwigluPlans& p = swiglu_plans();
-  const int64_t key = (n_cols << 8) | esize;
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    auto it = p.plan[bwd].find(key);
-    if (it != p.plan[bwd].end()) return it->second;
-  }
-  py::gil_scoped_acquire gil;
-  auto t = p.cb[bwd](n_cols, esize).cast<py::tuple>();
-  SwigluPlan plan{t[0].cast<int>(), t[1].cast<int64_t>(), t[2].cast<int64_t>()};
-  std::lock_guard<std::mutex> lock(p.mu);
-  p.plan[bwd].emplace(key, plan);
-  return plan;
+  return swiglu_plans()[bwd].get({n_cols, esize}, n_cols, esize);
 }
 
 inline std::array<unsigned, 3> swiglu_grid(const SwigluPlan& p, int64_t rows, int64_t n) {
@@ -57,19 +43,12 @@ inline std::array<unsigned, 3> swiglu_grid(const SwigluPlan& p, int64_t rows, in
   return {static_cast<unsigned>(tiles), 1, 1};
 }
 
-// launch<N> with N counted from the arguments: a brace list shorter than N would leave trailing Args
-// value-initialised as null pointers.
-template <class... A>
-void swiglu_launch(int slot, std::array<unsigned, 3> grid, int device, const A&... args) {
-  launch<sizeof...(A)>(slot, grid, device, std::array<Arg, sizeof...(A)>{args...});
-}
-
 // launch.py's launch_fwd: c2 = silu(a2) * b2 on [rows, n] views with unit column stride.
 inline void swiglu_launch_fwd(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& c2, int device) {
   const int64_t rows = a2.size(0), n = a2.size(1);
   if (rows == 0) return;
   const SwigluPlan plan = swiglu_plan(0, n, a2.element_size());
-  swiglu_launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(c2), i(rows), i(n),
+  launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(c2), i(rows), i(n),
                 i(a2.stride(0)), i(b2.stride(0)), i(c2.stride(0)));
 }
 
@@ -79,7 +58,7 @@ inline void swiglu_launch_bwd(const at::Tensor& a2, const at::Tensor& b2, const 
   const int64_t rows = a2.size(0), n = a2.size(1);
   if (rows == 0) return;
   const SwigluPlan plan = swiglu_plan(1, n, a2.element_size());
-  swiglu_launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(dc2), ptr(da2), ptr(db2),
+  launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(dc2), ptr(da2), ptr(db2),
                 i(rows), i(n), i(a2.stride(0)), i(b2.stride(0)), i(dc2.stride(0)), i(da2.stride(0)),
                 i(db2.stride(0)));
 }
@@ -178,7 +157,7 @@ inline py::object swiglu_entry(py::handle ah, py::handle bh) {
   if (!a.is_cuda() || !float_dtype(a.scalar_type()) || b.scalar_type() != a.scalar_type()) return py::none();
   if (b.device() != a.device() || !a.sizes().equals(b.sizes()) || !rows_ok(a) || !rows_ok(b))
     return py::none();
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(SwiGLUFn::apply(a, b)));
+  return wrap(SwiGLUFn::apply(a, b));
 }
 
 // swiglu_packed(y, in_place) -> out, or None (see the file comment).
@@ -191,17 +170,13 @@ inline py::object swiglu_packed_entry(py::handle yh, py::handle in_place_h) {
   if (n2 % 2 != 0) return py::none();
   // Rows that overlap cannot take the gradient in place: the Python op raises that in its backward.
   if (in_place && y.numel() / n2 > 1 && swiglu_row_stride(y) < n2) return py::none();
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(SwiGLUPackedFn::apply(y, in_place)));
+  return wrap(SwiGLUPackedFn::apply(y, in_place));
 }
 
 inline void bind_swiglu(py::module& m) {
   m.def("swiglu_set_plans", [](py::object fwd, py::object bwd) {
-    SwigluPlans& p = swiglu_plans();
-    std::lock_guard<std::mutex> lock(p.mu);
-    p.cb[0] = std::move(fwd);
-    p.cb[1] = std::move(bwd);
-    p.plan[0].clear();
-    p.plan[1].clear();
+    swiglu_plans()[0].reset(std::move(fwd));
+    swiglu_plans()[1].reset(std::move(bwd));
   });
   m.def("swiglu", &swiglu_entry, "SwiGLU of two tensors through the C++ autograd Function, or None");
   m.def("swiglu_packed", &swiglu_packed_entry,
