@@ -8,7 +8,8 @@ For each op at the shapes of issue 28 and of the kernels README (bf16, one forwa
 Liger-Kernel where installed) it measures:
 
 - GPU ms: ``time_cuda`` (calls queued behind a GPU spin: the device's time alone);
-- host ms: ``host_ms`` (the host's cost to enqueue one call while the GPU is busy);
+- host ms: ``host_ms`` (the host's cost to enqueue one call while the GPU is busy), the median of several
+  rounds in which the providers take turns;
 - loop ms: ``time_loop`` (calls back to back, as a training loop runs them).
 
 It prints them as a markdown table with the issue's verdicts (lck host ms at or below torch's, and loop ms
@@ -26,6 +27,7 @@ import datetime as _dt
 import io
 import json
 import pstats
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -188,17 +190,40 @@ def _cases(quick: bool) -> list[tuple[str, str, Callable[[], dict[str, Step]]]]:
     return cases
 
 
+HOST_ROUNDS = 7  # host time: rounds of 20 calls, the providers taking turns (see _host_rounds)
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+
+
 def _measure(op: str, shape: str, provider: str, fn: Step) -> Record:
     rec = Record(op, provider, "fwd_bwd", shape, "bfloat16")
     try:
         rec.__dict__.update(summarize(time_cuda(fn, warmup=3, iters=20)))
-        rec.extra["host_ms"] = host_ms(fn, iters=20)
         rec.extra["loop_ms"] = time_loop(fn, iters=30, warmup=2)
     except Exception as exc:  # a peer that cannot run a case is a row, not a crash
-        rec.error = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-        )
+        rec.error = _error(exc)
     return rec
+
+
+def _host_rounds(steps: dict[str, Step], records: dict[str, Record]) -> None:
+    """Each provider's host ms: the median of HOST_ROUNDS rounds of ``host_ms`` (each the median of 20 calls),
+    the providers taking turns round by round, so that a slow spell of the host machine (seen to move one
+    provider's figure by 20-40% between runs) falls on all of them alike. The rounds go in ``host_ms_rounds``."""
+    rounds: dict[str, list[float | None]] = {p: [] for p, r in records.items() if r.error is None}
+    for _ in range(HOST_ROUNDS):
+        for provider in rounds:
+            try:
+                rounds[provider].append(host_ms(steps[provider], iters=20))
+            except Exception as exc:
+                records[provider].error = _error(exc)
+    for provider, values in rounds.items():
+        rec = records[provider]
+        got = [v for v in values if v is not None]
+        # None when any round waited for the GPU (the call synchronises): host time is not measurable then.
+        rec.extra["host_ms"] = statistics.median(got) if got and len(got) == len(values) else None
+        rec.extra["host_ms_rounds"] = values
 
 
 def _verdicts(records: list[Record]) -> dict[tuple[str, str], dict[str, object]]:
@@ -359,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     profiles: dict[str, str] = {}
     for op, shape, make in _cases(args.quick):
         steps = make()
-        for provider, fn in steps.items():
-            records.append(_measure(op, shape, provider, fn))
-            r = records[-1]
+        case = {provider: _measure(op, shape, provider, fn) for provider, fn in steps.items()}
+        _host_rounds(steps, case)
+        for provider, r in case.items():
+            records.append(r)
             print(f"{op:<34} {shape:<18} {provider:<6} gpu {r.median_ms} host {r.extra.get('host_ms')} "
                   f"loop {r.extra.get('loop_ms')} {r.error or ''}", flush=True)  # fmt: skip
         if (op, shape) in (("rms_norm", "4096x2048"), ("cross_entropy", "4096x32000")):

@@ -243,7 +243,7 @@ def fake_sms(monkeypatch: pytest.MonkeyPatch):
 
 def test_host_plans_are_the_python_launches(fake_sms: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """host_plans answers the launch and grid launch_* run, and those take the argument counts host.h passes
-    (the reduction 6, the forward 19, the backward 22, the rescale 7)."""
+    (the reduction 6, the forward 19, the backward 22, the rescale 7, the finalize 6)."""
     ran: list[tuple[Any, tuple[int, ...], int]] = []
     monkeypatch.setattr(
         ce_launch, "_run", lambda launch, wrap, grid, *args: ran.append((launch, grid, len(args)))
@@ -255,7 +255,7 @@ def test_host_plans_are_the_python_launches(fake_sms: None, monkeypatch: pytest.
             launches.append(launch)
         return launches.index(launch)
 
-    reduction, fwd, bwd, rescale = ce_launch.host_plans(slot)
+    reduction, fwd, bwd, rescale, finalize = ce_launch.host_plans(slot)
     device = 7  # a device index no GPU test uses: the fake SM count never meets a real configuration
     meta = torch.device("meta")
     f32 = torch.float32
@@ -291,11 +291,19 @@ def test_host_plans_are_the_python_launches(fake_sms: None, monkeypatch: pytest.
         ce_launch.launch_rescale_rows(logits, rows, torch.empty((), device=meta), wrap=False)
         plan = rescale(n, v, device)
         assert ran == [(launches[plan[0]], (plan[1],), 7)]
+        for reduction_name, mean in (("sum", False), ("mean", True)):
+            for has_z in (False, True):
+                ran.clear()
+                ce_launch.finalize_loss(rows, rows if has_z else None, red, reduction_name, wrap=False)
+                assert ran == [(launches[finalize(mean, has_z)], (1,), 6)]
+        ran.clear()
+        ce_launch.finalize_loss(rows, None, red, "none", wrap=False)
+        assert ran == []  # reduction "none": ATen ops only, as ce_finalize
 
 
 def test_host_plans_refuse_the_split_forward(fake_sms: None) -> None:
     """A forward the C++ path does not launch (the split-row kernel) is answered None: the Python path runs."""
-    _, fwd, _, _ = ce_launch.host_plans(lambda launch: 0)
+    _, fwd, _, _, _ = ce_launch.host_plans(lambda launch: 0)
     assert fwd(64, 32000, 2, 7, False, False, False, False, True) is not None
     with _common.tuning("cross_entropy_fwd_grad", split=2):
         assert fwd(64, 32000, 2, 7, False, False, False, False, True) is None

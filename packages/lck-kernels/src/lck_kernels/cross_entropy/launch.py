@@ -307,32 +307,40 @@ def launch_rescale_flat(
         _run(rescale, wrap, rescale_grid(n, block, t.device), t, n, triton.cdiv(n, block), factor)
 
 
+@config_cache
+def _finalize_launch(mean: bool, has_z: bool) -> Launch:
+    return launch_for(k._ce_finalize_kernel, MEAN=mean, HAS_Z=has_z, BLOCK=FINALIZE_BLOCK, num_warps=8)
+
+
+FINALIZE_BLOCK = 4096
+
+
 def finalize_loss(
-    ce: torch.Tensor, zl: torch.Tensor | None, red: torch.Tensor, reduction: str
+    ce: torch.Tensor, zl: torch.Tensor | None, red: torch.Tensor, reduction: str, *, wrap: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, z-loss) in float32 from per-row terms and the device-side denominators of ``red``."""
+    """(loss, z-loss) in float32 from per-row terms and the device-side denominators of ``red``: for
+    ``sum``/``mean`` one launch of ``_ce_finalize_kernel`` (a fixed summation order)."""
     if reduction == "none":
         if zl is None:
             return ce, torch.zeros_like(ce)
         return ce + zl, zl
-    if reduction == "sum":
-        total = ce.sum()
-        z = zl.sum() if zl is not None else torch.zeros_like(total)
-        return (total + z if zl is not None else total), z
-    total = ce.sum() / red[0]
-    if zl is None:
-        return total, torch.zeros_like(total)
-    z = zl.sum() / red[1]
-    return total + z, z
+    loss = torch.empty((), dtype=torch.float32, device=ce.device)
+    z = torch.empty((), dtype=torch.float32, device=ce.device)
+    launch = _finalize_launch(reduction == "mean", zl is not None)
+    _run(launch, wrap, (1,), ce, zl if zl is not None else ce, red, loss, z, ce.shape[0])
+    return loss, z
 
 
 def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
     """The plan callbacks of the C++ cross entropy (``csrc/host.h``), given ``slot`` (a Launch's C++ registry
-    id): the launches and grids ``launch_reduction``, ``launch_fwd``, ``launch_bwd`` (a per-row loss gradient)
-    and ``launch_rescale_rows`` would use, asked once per shape."""
+    id): the launches and grids ``launch_reduction``, ``launch_fwd``, ``launch_bwd`` (a per-row loss gradient),
+    ``launch_rescale_rows`` and ``finalize_loss`` would use, asked once per shape."""
 
     def reduction(mean: bool, has_weight: bool) -> int:
         return slot(_reduction_launch(mean, has_weight))
+
+    def finalize(mean: bool, has_z: bool) -> int:
+        return slot(_finalize_launch(mean, has_z))
 
     def fwd(
         n_rows: int, n_cols: int, element_size: int, device: int,
@@ -362,4 +370,4 @@ def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
         grid, launch = _rescale_rows_launch(n_rows, n_cols, torch.device("cuda", device))
         return slot(launch), grid[0]
 
-    return reduction, fwd, bwd, rescale
+    return reduction, fwd, bwd, rescale, finalize

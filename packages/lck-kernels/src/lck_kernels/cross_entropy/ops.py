@@ -51,7 +51,7 @@ def _forward(logits, target, weight, opts: CEOptions, reduction: str, grad):
         logits, target, weight, red, opts, loss=ce, lse=lse, zloss=zl, grad=grad,
         applied=applied if grad is not None else None, wrap=True,
     )  # fmt: skip
-    loss, z = finalize_loss(ce, zl, red, reduction)
+    loss, z = finalize_loss(ce, zl, red, reduction, wrap=True)
     return loss, z, lse, applied
 
 

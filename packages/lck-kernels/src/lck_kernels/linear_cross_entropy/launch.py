@@ -269,7 +269,7 @@ def forward_chunked(
         run_chunks(x, p.weight, p.bias, p.chunk, row_kernel)
     else:
         grads = _run_with_grads(p, row_kernel, needs)
-    loss, z = finalize_loss(ce, zl, red, p.reduction)
+    loss, z = finalize_loss(ce, zl, red, p.reduction, wrap=False)
     return (loss, z, lse, ent, *grads)
 
 

@@ -7,7 +7,8 @@
 // - reduction "none" with grad: CrossEntropyRowsFn, CrossEntropyRowsFunction's twin (each row's lse saved; the
 //   backward writes the gradient, over the logits with in_place).
 // - no grad: the forward alone, as cross_entropy_fwd(..., compute_grad=False).
-// finalize_loss is repeated with the same ATen ops in the same order, so the losses are bit for bit the same.
+// finalize_loss is the same finalize kernel (or, for reduction "none", the same ATen ops), so the losses are bit
+// for bit the same.
 // Plans come from launch.py's host_plans once per shape and are cached here. The entry checks its arguments
 // itself (everything cross_entropy's Python checks refuse) and answers None for anything it does not take
 // (empty logits, overlapping rows to be overwritten, the split-row or CUDA cluster forward), so that
@@ -21,6 +22,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
@@ -49,6 +51,7 @@ using CeKey = std::tuple<int64_t, int64_t, int64_t>;
 
 struct CePlans {
   PlanCache<int, CeSlot> red;  // key: mean * 2 + has_weight
+  PlanCache<int, CeSlot> fin;  // the finalize kernel's; key: mean * 2 + has_z
   PlanCache<CeKey, CeLaunch> fwd, bwd, rescale;
 };
 
@@ -110,8 +113,25 @@ struct CeOut {
   at::Tensor loss, z, lse, applied;
 };
 
+// finalize_loss: (loss, z-loss) in float32 from the per-row terms `ce` and `zl` (nullptr without a z-loss) and
+// the reduction kernel's denominators `red`; reduction 0 none, 1 sum, 2 mean (one finalize kernel launch).
+inline std::pair<at::Tensor, at::Tensor> ce_finalize(const at::Tensor& ce, const at::Tensor* zl,
+                                                     const at::Tensor& red, int reduction, int device) {
+  if (reduction == 0) {
+    if (zl == nullptr) return {ce, at::zeros_like(ce)};
+    return {ce + *zl, *zl};
+  }
+  at::Tensor loss = at::empty({}, ce.options());
+  at::Tensor z = at::empty({}, ce.options());
+  const bool mean = reduction == 2, has_z = zl != nullptr;
+  const int slot = ce_plans().fin.get(int(mean) * 2 + int(has_z), mean, has_z).slot;
+  launch(slot, {1, 1, 1}, device, ptr(ce), ptr(zl != nullptr ? *zl : ce), ptr(red), ptr(loss), ptr(z),
+         i(ce.size(0)));
+  return {loss, z};
+}
+
 // ops._forward: the reduction's denominators, the per-row terms (and, with `grad`, the gradient and
-// `applied` = 1), then finalize_loss with the same ATen ops in the same order.
+// `applied` = 1), then finalize_loss.
 inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& weight,
                         const CeCall& c, const at::Tensor* grad, int device) {
   const int64_t n = logits.size(0), v = logits.size(1);
@@ -129,30 +149,8 @@ inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, cons
   launch(c.fwd.slot, {c.fwd.grid, 1, 1}, device, ptr(logits), i(logits.stride(0)), ptr(g),
          i(grad != nullptr ? grad->stride(0) : 0), ptr(target), ptr(w), ptr(red), ptr(ce), ptr(z_rows), ptr(lse),
          ptr(lse), ptr(applied_arg), i(n), i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap));
-  CeOut out{at::Tensor(), at::Tensor(), lse, applied};
-  if (c.reduction == 0) {
-    if (!c.has_z) {
-      out.loss = ce;
-      out.z = at::zeros_like(ce);
-    } else {
-      out.loss = ce + zl;
-      out.z = zl;
-    }
-  } else if (c.reduction == 1) {
-    at::Tensor total = ce.sum();
-    out.z = c.has_z ? zl.sum() : at::zeros_like(total);
-    out.loss = c.has_z ? total + out.z : total;
-  } else {
-    at::Tensor total = ce.sum() / red.select(0, 0);
-    if (!c.has_z) {
-      out.loss = total;
-      out.z = at::zeros_like(total);
-    } else {
-      out.z = zl.sum() / red.select(0, 1);
-      out.loss = total + out.z;
-    }
-  }
-  return out;
+  auto [loss, z] = ce_finalize(ce, c.has_z ? &zl : nullptr, red, c.reduction, device);
+  return CeOut{loss, z, lse, applied};
 }
 
 // ctx's saved tensors, with unpack_saved_gradient's message when one was overwritten since the forward.
@@ -333,14 +331,17 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
                                  : CrossEntropyFn::apply(logits, target, weight, c);
     loss = outs[0], z = outs[1];
   }
-  loss = loss.to(loss_dtype);
+  // Tensor::to returns the tensor itself at its own dtype; the check skips a dispatcher round trip.
+  if (loss_dtype != at::kFloat) loss = loss.to(loss_dtype);
   if (!return_z) return wrap(loss);
-  return py::make_tuple(wrap(loss), wrap(z.to(loss_dtype)));
+  return py::make_tuple(wrap(loss), wrap(loss_dtype != at::kFloat ? z.to(loss_dtype) : z));
 }
 
 inline void bind_cross_entropy(py::module& m) {
-  m.def("cross_entropy_set_plans", [](py::object red, py::object fwd, py::object bwd, py::object rescale) {
+  m.def("cross_entropy_set_plans", [](py::object red, py::object fwd, py::object bwd, py::object rescale,
+                                      py::object fin) {
     CePlans& p = ce_plans();
+    p.fin.reset(std::move(fin));
     p.red.reset(std::move(red));
     p.fwd.reset(std::move(fwd));
     p.bwd.reset(std::move(bwd));
