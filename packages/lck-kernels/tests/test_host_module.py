@@ -1,6 +1,6 @@
 """The C++ host path (``lck_kernels._host``): the same numbers as the Python ops, launched from C++.
 
-On a GPU: ``rms_norm`` (which takes the C++ autograd Function in plain eager calls) against the Python
+On a GPU: ``rms_norm`` (which takes the C++ backward node in plain eager calls) against the Python
 ``RMSNormFunction`` on the same inputs, bit for bit, forward and both gradients, over the launch plans
 (whole rows with and without look-ahead, tiled rows, float32), casting modes, in-place backward, a 3-D input,
 a weight without gradient and zero rows; the launches counted as made from C++. On CPU: the variant
@@ -84,6 +84,8 @@ def _pair(shape, dtype, casting, in_place, weight_grad, seed):
         wi = w.clone().requires_grad_(weight_grad)
         if use_host:
             y = L.rms_norm(xi, wi, 1e-6, 0.0, casting, in_place)
+            if xi.numel():  # empty inputs take the Python path
+                assert y.grad_fn.name() == "lck_host::RMSNormBackward", y.grad_fn.name()
         else:
             y = RMSNormFunction.apply(xi, wi, 1e-6, 0.0, casting, in_place)
         inputs = (xi, wi) if weight_grad else (xi,)

@@ -20,7 +20,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent
-SOURCES = (HERE / "module.cpp", HERE / "launcher.h", HERE / "checks.h", *sorted(PKG.glob("*/csrc/host.h")))
+SOURCES = (HERE / "module.cpp", *sorted(HERE.glob("*.h")), *sorted(PKG.glob("*/csrc/host.h")))
 MODULE_NAME = "_lck_kernels_host"
 
 

@@ -1,4 +1,4 @@
-// RMSNorm as a C++ autograd Function: the same Triton kernels and launch plans as launch.py, with
+// RMSNorm with a C++ backward node (node.h): the same Triton kernels and launch plans as launch.py, with
 // no Python on the per-call path (forward on the caller's thread, backward on autograd's device thread).
 // Plans come from Python once per shape (launch.py's host_plans) and are cached here. The entry point
 // checks its arguments itself (checks.h) and answers None for anything it does not take, so that
@@ -6,12 +6,14 @@
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/autograd/custom_function.h>
 
+#include <mutex>
+#include <string>
 #include <tuple>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
+#include "../../_host/node.h"
 
 namespace lck_host {
 
@@ -43,40 +45,38 @@ inline RmsPlans& rms_plans() {
   return *p;
 }
 
-class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor weight, double eps,
-                            double offset, int64_t casting, bool in_place) {
-    c10::cuda::CUDAGuard guard(x.device());
-    const int device = x.get_device();
-    const int64_t n = x.size(-1);
-    at::Tensor x2 = x.view({-1, n});
-    const int64_t rows = x2.size(0);
-    at::Tensor y = at::empty(x.sizes(), x.options());
-    at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
-    if (rows > 0) {
-      const int64_t esize = x.element_size();
-      const RmsFwdPlan plan = rms_plans().fwd.get({n, esize, casting}, n, esize, casting);
-      at::Tensor y2 = y.view({-1, n});
-      launch(plan.slot, {cdiv(rows, plan.rows_per_program), 1, 1}, device, ptr(x2), ptr(weight), ptr(y2),
-             ptr(rstd), i(rows), i(n), i(x2.stride(0)), i(y2.stride(0)), f(eps), f(offset));
-    }
-    ctx->save_for_backward({x, weight, rstd});
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["casting"] = casting;
-    ctx->saved_data["in_place"] = in_place;
-    return y;
+// The row stride of x's [rows, n] view (rows_ok: the leading dimensions collapse into rows), without building
+// the view (a dispatcher call, and an autograd view node when x requires grad): the stride of the innermost
+// leading dimension longer than 1 (any value serves a single row).
+inline int64_t row_stride(const at::Tensor& x) {
+  for (int64_t k = x.dim() - 2; k >= 0; --k)
+    if (x.size(k) != 1) return x.stride(k);
+  return x.size(-1);
+}
+
+// RMSNorm's backward node (RMSNormFunction.backward): dx, and dweight when the weight needs a gradient.
+struct RMSNormBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable x_, weight_, rstd_;
+  double offset = 0.0;
+  int64_t casting = 0;
+  bool in_place = false;
+
+  std::string name() const override { return "lck_host::RMSNormBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    weight_.reset_data();
+    rstd_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor& rstd = saved[2];
-    const double offset = ctx->saved_data["offset"].toDouble();
-    const int64_t casting = ctx->saved_data["casting"].toInt();
-    const bool in_place = ctx->saved_data["in_place"].toBool();
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor x = x_.unpack();
+    const at::Tensor weight = weight_.unpack();
+    const at::Tensor rstd = rstd_.unpack();
+    const bool need_x = task_should_compute_output(0), need_w = task_should_compute_output(1);
+    if (!grads[0].defined() || !(need_x || need_w)) return {at::Tensor(), at::Tensor()};
     c10::cuda::CUDAGuard guard(x.device());
     const int device = x.get_device();
     at::Tensor dy = grads[0];
@@ -87,36 +87,36 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     if (in_place) dy.unsafeGetTensorImpl()->bump_version();  // dx overwrites dy, as the op's in-place form
     at::Tensor dw;
     if (rows == 0) {
-      dw = at::zeros_like(weight);
+      if (need_w) dw = at::zeros_like(weight);
     } else {
       const int64_t esize = x.element_size();
       const RmsBwdPlan plan =
           rms_plans().bwd.get({rows, n, esize, casting, device}, rows, n, esize, casting, device);
-      at::Tensor dy2 = dy.view({-1, n}), x2 = x.view({-1, n}), dx2 = dx.view({-1, n});
+      // dy and dx are contiguous: rows n apart.
+      const int64_t xs = row_stride(x);
       at::Tensor partial = at::empty({plan.programs, n}, x.options().dtype(at::kFloat));
       const unsigned programs = static_cast<unsigned>(plan.programs);
       if (plan.b < 0) {
-        launch(plan.a, {programs, 1, 1}, device, ptr(dy2), ptr(x2), ptr(weight), ptr(rstd), ptr(dx2),
-               ptr(partial), i(rows), i(n), i(plan.per_program), i(dy2.stride(0)), i(x2.stride(0)),
-               i(dx2.stride(0)), f(offset));
+        launch(plan.a, {programs, 1, 1}, device, ptr(dy), ptr(x), ptr(weight), ptr(rstd), ptr(dx), ptr(partial),
+               i(rows), i(n), i(plan.per_program), i(n), i(xs), i(n), f(offset));
       } else {
         at::Tensor dot = at::empty({rows}, x.options().dtype(at::kFloat));
-        launch(plan.a, {static_cast<unsigned>(rows), 1, 1}, device, ptr(dy2), ptr(x2), ptr(weight), ptr(rstd),
-               ptr(dot), i(rows), i(n), i(dy2.stride(0)), i(x2.stride(0)), f(offset));
-        launch(plan.b, {static_cast<unsigned>(plan.tiles), programs, 1}, device, ptr(dy2), ptr(x2), ptr(weight),
-               ptr(rstd), ptr(dot), ptr(dx2), ptr(partial), i(rows), i(n), i(plan.per_program),
-               i(dy2.stride(0)), i(x2.stride(0)), i(dx2.stride(0)), f(offset));
+        launch(plan.a, {static_cast<unsigned>(rows), 1, 1}, device, ptr(dy), ptr(x), ptr(weight), ptr(rstd),
+               ptr(dot), i(rows), i(n), i(n), i(xs), f(offset));
+        launch(plan.b, {static_cast<unsigned>(plan.tiles), programs, 1}, device, ptr(dy), ptr(x), ptr(weight),
+               ptr(rstd), ptr(dot), ptr(dx), ptr(partial), i(rows), i(n), i(plan.per_program), i(n), i(xs), i(n),
+               f(offset));
       }
-      dw = at::empty({n}, weight.options());
-      launch(plan.dw, {static_cast<unsigned>(plan.dw_programs), 1, 1}, device, ptr(partial), ptr(dw),
-             i(plan.programs), i(n));
+      if (need_w) {  // the row kernels write the partial sums either way; only their sum is skipped
+        dw = at::empty({n}, weight.options());
+        launch(plan.dw, {static_cast<unsigned>(plan.dw_programs), 1, 1}, device, ptr(partial), ptr(dw),
+               i(plan.programs), i(n));
+      }
     }
-    const bool need_w = ctx->needs_input_grad(1);
-    return {dx, need_w ? dw : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {need_x ? dx : at::Tensor(), dw};
   }
 };
 
-// rms_norm(x, weight, eps, offset, casting_mode, in_place) -> y, or None (see the file comment).
 inline py::object rms_norm_entry(py::handle xh, py::handle wh, py::handle eps_h, py::handle offset_h,
                                  py::handle casting_h, py::handle in_place_h) {
   if (!THPVariable_Check(xh.ptr()) || !THPVariable_Check(wh.ptr())) return py::none();
@@ -132,7 +132,31 @@ inline py::object rms_norm_entry(py::handle xh, py::handle wh, py::handle eps_h,
   if (weight.device() != x.device() || weight.dim() != 1 || !rows_ok(x)) return py::none();
   const int64_t n = x.size(-1);
   if (weight.size(0) != n || (n > 1 && weight.stride(0) != 1)) return py::none();
-  return wrap(RMSNormFn::apply(x, weight, eps, offset, casting, in_place));
+  if (has_fw_grad(x) || has_fw_grad(weight)) return py::none();
+  c10::cuda::CUDAGuard guard(x.device());
+  const int device = x.get_device();
+  const int64_t rows = n > 0 ? x.numel() / n : 0;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (rows > 0) {
+    const int64_t esize = x.element_size();
+    const RmsFwdPlan plan = rms_plans().fwd.get({n, esize, casting}, n, esize, casting);
+    launch(plan.slot, {cdiv(rows, plan.rows_per_program), 1, 1}, device, ptr(x), ptr(weight), ptr(y), ptr(rstd),
+           i(rows), i(n), i(row_stride(x)), i(n), f(eps), f(offset));
+  }
+  if (torch::autograd::compute_requires_grad(x, weight)) {
+    NodePtr node = make_node<RMSNormBackward>();
+    RMSNormBackward* b = node_as<RMSNormBackward>(node);
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight));
+    b->x_ = torch::autograd::SavedVariable(x, false);
+    b->weight_ = torch::autograd::SavedVariable(weight, false);
+    b->rstd_ = torch::autograd::SavedVariable(rstd, false);
+    b->offset = offset;
+    b->casting = casting;
+    b->in_place = in_place;
+    torch::autograd::set_history(y, node);
+  }
+  return wrap(y);
 }
 
 inline void bind_rms_norm(py::module& m) {
