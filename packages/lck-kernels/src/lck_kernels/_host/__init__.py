@@ -146,7 +146,8 @@ def _compile(launch: Launch, grid: tuple[int, int, int], args: tuple[Any, ...]):
         return None
 
 
-FAMILIES = ("rms_norm", "swiglu", "cross_entropy")  # those whose launch.py may define host_plans
+# The op families whose launch.py may define host_plans.
+FAMILIES = ("rms_norm", "swiglu", "cross_entropy", "linear_cross_entropy")
 
 
 def _register_plans(mod: ModuleType) -> None:

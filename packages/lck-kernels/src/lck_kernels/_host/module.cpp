@@ -3,6 +3,7 @@
 // Each op family contributes csrc/host.h with a bind_<family>(m) that adds its entry points and its
 // <family>_set_plans (the plan callbacks from its launch.py's host_plans).
 #include "../cross_entropy/csrc/host.h"
+#include "../linear_cross_entropy/csrc/host.h"
 #include "../rms_norm/csrc/host.h"
 #include "../swiglu/csrc/host.h"
 #include "launcher.h"
@@ -22,4 +23,5 @@ PYBIND11_MODULE(_lck_kernels_host, m) {
   bind_rms_norm(m);
   bind_swiglu(m);
   bind_cross_entropy(m);
+  bind_linear_cross_entropy(m);
 }

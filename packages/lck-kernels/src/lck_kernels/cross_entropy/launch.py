@@ -291,6 +291,9 @@ def _rescale_rows_launch(n_rows: int, n_cols: int, device: torch.device) -> tupl
     return grid, launch_for(k._ce_rescale_rows_kernel, BLOCK=block, num_warps=8)
 
 
+RESCALE_BLOCK = 4096  # elements per program step of launch_rescale_flat's kernel
+
+
 def launch_rescale_flat(
     tensors: list[torch.Tensor], applied: torch.Tensor, g: torch.Tensor, *, wrap: bool
 ) -> None:
@@ -298,7 +301,7 @@ def launch_rescale_flat(
     ``applied`` ← ``g``. Programs exit at once when the factor is exactly 1."""
     factor = torch.empty(1, dtype=torch.float32, device=applied.device)
     _run(launch_for(k._rescale_factor_kernel, num_warps=1), wrap, (1,), g, applied, factor)
-    block = 4096
+    block = RESCALE_BLOCK
     rescale = launch_for(k._rescale_kernel, BLOCK=block, num_warps=8)
     for t in tensors:
         if t.numel() == 0:

@@ -40,6 +40,13 @@ temperature. The same two schedules, with the same chunk budget:
   well is cheaper with ``reduction="none"`` and the reduction done by the caller. The vocabulary-parallel
   op makes the same choice.
 
+Plain eager calls on CUDA tensors that take the fused schedule (sum/mean with an input needing a gradient) run C++
+autograd Functions (``csrc/host.h``, built by ``lck_kernels._host``): the same GEMMs in the same order, the same
+row kernels at the same plans and the same loss arithmetic, so the same bits, with neither the chunk loop nor
+the backward running Python per call (a gradient reaching the scaled op's lse or entropy still runs the
+recompute backward in Python). The recompute schedule, ``torch.compile``, fake tensors, modes, tuning overrides
+and anything else the C++ entries do not take keep the Python Functions (``ops.py``).
+
 The family's files: no Triton kernels of its own (the row kernels are those of ``lck_kernels.cross_entropy``);
 ``launch.py`` (the chunked engine), ``checks.py``, ``ops.py`` (``torch.library`` ops and autograd); this module
 holds the functional API and the modules.
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import torch
 
+from lck_kernels import _host
 from lck_kernels.cross_entropy.checks import check_loss_dtype, check_loss_options
 from lck_kernels.linear_cross_entropy.checks import (
     check_chunking,
@@ -132,6 +140,18 @@ def fused_linear_cross_entropy(
     Differentiable w.r.t. ``x``, ``weight`` and ``bias``. Raises ``TypeError``/``ValueError`` naming the
     argument for a wrong dtype, device, shape, stride or option.
     """
+    if (
+        getattr(x, "is_cuda", False)
+        and (host := _host.ready(x, weight, target, bias, class_weight)) is not None
+    ):
+        # The C++ autograd Function of the fused schedule: it checks every argument itself and answers None
+        # for anything else, which then gets the checks (and their errors) and the Python path below.
+        out = host.fused_linear_cross_entropy(
+            x, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+            reduction, return_z_loss, chunk_bytes, max_chunk_tokens, loss_dtype,
+        )  # fmt: skip
+        if out is not None:
+            return out
     op = "fused_linear_cross_entropy"
     x2, t1 = flatten_tokens(op, x, target)
     check_linear_inputs(op, x2, weight, t1, bias, class_weight)
@@ -245,6 +265,13 @@ def fused_linear_scaled_cross_entropy(
     Returns ``(nll, lse)`` or ``(nll, lse, entropy)``, float32, ``lse``/``entropy`` shaped like ``target``.
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or option.
     """
+    if getattr(x, "is_cuda", False) and (host := _host.ready(x, weight, target, bias)) is not None:
+        out = host.fused_linear_scaled_cross_entropy(
+            x, weight, target, bias, inverse_temperature, return_entropy, ignore_index, reduction, chunk_bytes,
+            max_chunk_tokens,
+        )  # fmt: skip
+        if out is not None:  # the fused schedule in C++, as in fused_linear_cross_entropy
+            return out
     x2, t1 = flatten_tokens(OP, x, target)
     check_linear_inputs(OP, x2, weight, t1, bias, None)
     check_loss_options(OP, ignore_index, 0.0, 0.0, None, reduction)

@@ -33,17 +33,25 @@ The ops and their ``torch.autograd.Function``s are in ``ops.py``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from lck_kernels._common import cdiv, tuned
+from lck_kernels._eager import Launch, launch_for
+from lck_kernels.cross_entropy import kernels as ce_kernels
+from lck_kernels.cross_entropy.cuda import enabled as cuda_enabled
 from lck_kernels.cross_entropy.launch import (
+    RESCALE_BLOCK,
     CEOptions,
+    _fwd_launch,
+    ce_launch_config,
     finalize_loss,
     launch_bwd,
     launch_fwd,
     launch_reduction,
+    rescale_grid,
 )
 
 Tensor = torch.Tensor
@@ -315,3 +323,62 @@ def empty_grads(x, weight, bias, need_x, need_w, need_b):
 def needs_grads(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[bool, bool, bool]:
     on = torch.is_grad_enabled()
     return on and x.requires_grad, on and weight.requires_grad, on and bias is not None and bias.requires_grad
+
+
+_FWD_GRAD = "cross_entropy_fwd_grad"
+
+
+def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
+    """The callbacks of the C++ fused schedule (``csrc/host.h``), given ``slot`` (a Launch's C++ registry id):
+
+    - ``chunks``: the tokens per chunk (``plan_chunk_tokens``) and the row kernel and grid ``launch_fwd`` runs
+      with a gradient over a whole chunk and over the last one; None where it would run the split-row or CUDA
+      cluster kernel (the Python path then runs);
+    - ``rescale``: ``launch_rescale_flat``'s factor kernel and, for a buffer of ``n`` elements, its rescale
+      kernel, grid and block count;
+    - ``recompute``: the scaled op's recompute backward for gradients reaching lse or entropy (what
+      ``lce_bwd`` runs), called from the C++ backward.
+
+    ``chunks`` and ``rescale`` are asked once per shape; 0 stands for None in ``chunk_bytes`` and
+    ``max_chunk_tokens``."""
+
+    def chunks(
+        n_tokens: int, vocab: int, element_size: int, device: int, chunk_bytes: int, max_chunk_tokens: int,
+        has_weight: bool, smooth: bool, has_z: bool, has_softcap: bool, entropy: bool,
+    ) -> tuple[int, int, int, int, int] | None:  # fmt: skip
+        chunk = plan_chunk_tokens(
+            n_tokens,
+            vocab,
+            element_size,
+            chunk_bytes=chunk_bytes or None,
+            max_chunk_tokens=max_chunk_tokens or None,
+        )
+        dev = torch.device("cuda", device)
+        plan = [chunk]
+        for rows in (chunk, n_tokens - (cdiv(n_tokens, chunk) - 1) * chunk):
+            cfg = ce_launch_config(_FWD_GRAD, rows, vocab, element_size, dev)
+            if cfg["SPLIT"] > 1 or (
+                cuda_enabled() and tuned(_FWD_GRAD, dict(ce_kernels._DEFAULTS[_FWD_GRAD]))["cuda"]
+            ):
+                return None
+            flags = (has_weight, smooth, has_z, has_softcap, entropy, True)
+            grid, launch = _fwd_launch(_FWD_GRAD, rows, vocab, element_size, dev, flags)
+            plan += [slot(launch), grid[0]]
+        return tuple(plan)  # type: ignore[return-value]
+
+    def rescale(n: int, device: int) -> tuple[int, int, int, int]:
+        factor = launch_for(ce_kernels._rescale_factor_kernel, num_warps=1)
+        launch = launch_for(ce_kernels._rescale_kernel, BLOCK=RESCALE_BLOCK, num_warps=8)
+        grid = rescale_grid(n, RESCALE_BLOCK, torch.device("cuda", device))
+        return slot(factor), slot(launch), grid[0], cdiv(n, RESCALE_BLOCK)
+
+    def recompute(
+        x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor, entropy: Tensor | None,
+        g_lse: Tensor | None, g_entropy: Tensor | None, ignore_index: int, inverse_temperature: float,
+        reduction: str, need_x: bool, need_w: bool, need_b: bool, chunk: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        opts = CEOptions(ignore_index, 0.0, 0.0, 0.0, inverse_temperature)
+        p = ChunkedProblem(x, weight, target, bias, None, opts, reduction, chunk)
+        return backward_recompute(p, (need_x, need_w, need_b), (lse, entropy), (None, g_lse, g_entropy))
+
+    return chunks, rescale, recompute

@@ -1,0 +1,433 @@
+// Fused linear cross entropy (plain and scaled) as C++ autograd Functions, for the schedule that finishes every
+// gradient in the forward (reduction "sum"/"mean" with an input needing a gradient): the twins of ops.py's
+// FusedLinearCrossEntropyFunction and FusedLinearScaledCrossEntropyFunction over launch.py's forward_chunked,
+// with no Python on the per-call path.
+//
+// - forward: the reduction kernel (cross entropy's), then per chunk of tokens the logits GEMM into one reused
+//   buffer, the loss+gradient row kernel over it, and the gradient GEMMs and bias sum. These are the ATen calls
+//   of launch.py's _logits and _accumulate_grads, in the same order with the same operands, so cuBLAS gives the
+//   same bits; the row kernel runs at the plan launch_fwd would use for that chunk; the loss is finished by
+//   ce_finalize, finalize_loss's twin.
+// - backward: launch_rescale_flat (the factor kernel, then the rescale kernel over each gradient buffer), and
+//   for the scaled op's lse/entropy outputs, when they receive a gradient, the recompute backward, which stays
+//   in Python (launch.py's host_plans hands it over; the backward takes the GIL for it).
+// Plans (the tokens per chunk and the row kernel of a whole and of the last chunk; the rescale launches) come
+// from launch.py's host_plans once per shape. The entries check their arguments themselves and answer None for
+// anything else (reduction "none", no input needing a gradient, no tokens, the split-row or cluster forward, and
+// whatever the Python checks refuse), so that the public functions run their checks and Python path.
+#pragma once
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../../_host/checks.h"
+#include "../../_host/launcher.h"
+#include "../../cross_entropy/csrc/host.h"
+
+namespace lck_host {
+
+// One forward's chunking: tokens per chunk, and the row kernel of a whole chunk and of the last one (the same
+// launch when the chunk divides the tokens). chunk 0: the Python path.
+struct LceChunks {
+  int64_t chunk = 0;
+  CeLaunch full, tail;
+  static LceChunks from(py::handle h) {
+    if (h.is_none()) return {};
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int64_t>(), {t[1].cast<int>(), t[2].cast<unsigned>()}, {t[3].cast<int>(), t[4].cast<unsigned>()}};
+  }
+};
+
+// launch_rescale_flat's launches for a buffer of some length: the factor kernel's slot, the rescale kernel's
+// slot, its grid and its block count.
+struct LceRescale {
+  int factor = -1, slot = -1;
+  unsigned grid = 0;
+  int64_t blocks = 0;
+  static LceRescale from(py::handle h) {
+    auto t = h.cast<py::tuple>();
+    return {t[0].cast<int>(), t[1].cast<int>(), t[2].cast<unsigned>(), t[3].cast<int64_t>()};
+  }
+};
+
+// (tokens, vocab, element size / device / flags packed by ce_key, chunk_bytes, max_chunk_tokens; 0 for None)
+using LceKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+struct LcePlans {
+  PlanCache<LceKey, LceChunks> chunks;
+  PlanCache<std::pair<int64_t, int>, LceRescale> rescale;  // key: (elements, device)
+  py::object recompute;                                     // the recompute backward; read and called with the GIL
+};
+
+inline LcePlans& lce_plans() {
+  static LcePlans* p = new LcePlans();  // never destroyed: py::objects must not die after the interpreter
+  return *p;
+}
+
+// One call's constants: the loss options as cross entropy's kernels take them (ce.reduction 1 sum, 2 mean), the
+// scaled op's inverse temperature and entropy output, the gradients wanted and the chunk plan.
+struct LceCall {
+  CeCall ce;
+  double scale = 1.0;
+  bool entropy = false;
+  bool need_x = false, need_w = false, need_b = false;
+  LceChunks plan;
+
+  int64_t needs() const { return need_x | (need_w << 1) | (need_b << 2); }
+};
+
+inline LceChunks lce_chunks(int64_t n, int64_t v, int64_t esize, int device, int64_t chunk_bytes,
+                            int64_t max_chunk, const LceCall& c) {
+  const int64_t flags = c.ce.flags() | (int64_t(c.entropy) << 4);
+  return lce_plans().chunks.get(LceKey{n, v, ce_key(esize, device, flags), chunk_bytes, max_chunk}, n, v, esize,
+                                device, chunk_bytes, max_chunk, c.ce.has_weight, c.ce.smooth, c.ce.has_z,
+                                c.ce.has_softcap, c.entropy);
+}
+
+struct LceOut {
+  at::Tensor loss, z, lse, entropy, gx, gw, gb;
+};
+
+// forward_chunked with needs (through _run_with_grads and run_chunks without overlap): the loss, z-loss, per-row
+// lse and entropy (empty unless asked for) and the gradients of the reduced loss (unneeded ones empty).
+inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+                          const at::Tensor& bias, const at::Tensor& class_weight, const LceCall& c, int device) {
+  const CeCall& ce = c.ce;
+  const int64_t n = x.size(0), v = weight.size(0), chunk = c.plan.chunk;
+  at::Tensor red = ce_reduction(target, class_weight, v, ce, ce.reduction == 2, device);
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor rows = at::empty({n}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor zl = ce.has_z ? at::empty({n}, f32) : at::Tensor();
+  at::Tensor ent = at::empty({c.entropy ? n : 0}, f32);
+  at::Tensor applied = at::empty({n}, f32);  // the row kernel's marks; the backward rescales whole buffers
+  at::Tensor gx = c.need_x ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  at::Tensor gw = c.need_w ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, weight.options());
+  at::Tensor gb32 = at::zeros({c.need_b ? v : 0}, f32);
+  at::Tensor buf = at::empty({std::min(chunk, n), v}, x.options());
+  const at::Tensor wt = weight.t();
+  for (int64_t s = 0; s < n; s += chunk) {
+    const int64_t e = std::min(n, s + chunk), m = e - s;
+    at::Tensor logits = buf.narrow(0, 0, m);
+    at::Tensor x_c = x.narrow(0, s, m);
+    // _logits
+    if (bias.defined())
+      at::addmm_out(logits, bias, x_c, wt);
+    else
+      at::mm_out(logits, x_c, wt);
+    // launch_fwd with grad = logits: the same arguments, absent ones pointing at the chunk's lse rows.
+    at::Tensor t_c = target.narrow(0, s, m), rows_c = rows.narrow(0, s, m), lse_c = lse.narrow(0, s, m);
+    at::Tensor applied_c = applied.narrow(0, s, m);
+    at::Tensor zl_c = ce.has_z ? zl.narrow(0, s, m) : lse_c;
+    at::Tensor ent_c = c.entropy ? ent.narrow(0, s, m) : lse_c;
+    const at::Tensor& w_c = ce.has_weight ? class_weight : lse_c;
+    const CeLaunch& k = m == chunk ? c.plan.full : c.plan.tail;
+    launch(k.slot, {k.grid, 1, 1}, device, ptr(logits), i(logits.stride(0)), ptr(logits), i(logits.stride(0)),
+           ptr(t_c), ptr(w_c), ptr(red), ptr(rows_c), ptr(zl_c), ptr(lse_c), ptr(ent_c), ptr(applied_c), i(m),
+           i(v), i(ce.ignore_index), f(ce.eps), f(ce.z_scale), f(c.scale), f(ce.softcap));
+    // _accumulate_grads (the logits buffer now holds their gradient)
+    if (c.need_x) {
+      at::Tensor gx_c = gx.narrow(0, s, m);
+      at::mm_out(gx_c, logits, weight);
+    }
+    if (c.need_w) {
+      if (s == 0)  // no zero fill of a V×H buffer: the first chunk writes it
+        at::mm_out(gw, logits.t(), x_c);
+      else
+        gw.addmm_(logits.t(), x_c);
+    }
+    if (c.need_b) gb32.add_(at::sum(logits, at::IntArrayRef{0}, false, at::kFloat));
+  }
+  at::Tensor gb = c.need_b ? gb32.to(bias.scalar_type())
+                           : at::empty({0}, f32.dtype(bias.defined() ? bias.scalar_type() : at::kFloat));
+  auto [loss, z] = ce_finalize(rows, ce.has_z ? &zl : nullptr, red, ce.reduction, device);
+  return LceOut{loss, z, lse, ent, gx, gw, gb};
+}
+
+// launch_rescale_flat: each buffer ← buffer × g / applied (one value each), then applied ← g; no pass over the
+// buffers when the factor is 1. Bumps the versions of what it rewrote, as the mutating op's dispatch does, so
+// that a second backward over a retained graph is refused.
+inline void lce_rescale(const std::array<at::Tensor, 3>& buffers, const at::Tensor& applied, const at::Tensor& g,
+                        int device) {
+  at::Tensor factor = at::empty({1}, applied.options());
+  bool first = true;
+  for (const at::Tensor& t : buffers) {
+    const int64_t n = t.numel();
+    const LceRescale plan = lce_plans().rescale.get({n, device}, n, device);
+    if (first) launch(plan.factor, {1, 1, 1}, device, ptr(g), ptr(applied), ptr(factor));
+    first = false;
+    if (n > 0) launch(plan.slot, {plan.grid, 1, 1}, device, ptr(t), i(n), i(plan.blocks), ptr(factor));
+  }
+  for (const at::Tensor& t : buffers) t.unsafeGetTensorImpl()->bump_version();
+  applied.unsafeGetTensorImpl()->bump_version();
+}
+
+// ctx's saved tensors, with unpack_saved_gradient's message (naming `op`) when one was overwritten since.
+inline torch::autograd::variable_list lce_saved(torch::autograd::AutogradContext* ctx, const char* op) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const c10::Error& e) {
+    if (std::string(e.what()).find("modified by an inplace operation") == std::string::npos) throw;
+  }
+  TORCH_CHECK(false, op,
+              ": a buffer saved by the forward was modified before this backward. Either backward ran a second "
+              "time over the same graph (retain_graph=True), which ",
+              op,
+              " does not support where its backward updates a saved buffer in place (the gradient computed in the "
+              "forward for reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
+              "in-place op wrote into the inputs ",
+              op, " saved after its forward.");
+  return {};
+}
+
+// FusedLinearCrossEntropyFunction: outputs (loss, z-loss); the backward rescales the saved gradients in place.
+class FusedLinearCrossEntropyFn : public torch::autograd::Function<FusedLinearCrossEntropyFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor x,
+                                                at::Tensor weight, at::Tensor target, std::optional<at::Tensor> bias,
+                                                std::optional<at::Tensor> class_weight, LceCall c) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    LceOut out = lce_forward(x, weight, target, bias.value_or(at::Tensor()), class_weight.value_or(at::Tensor()),
+                             c, device);
+    at::Tensor applied = at::ones({1}, x.options().dtype(at::kFloat));
+    ctx->save_for_backward({out.gx, out.gw, out.gb, applied});
+    ctx->saved_data["needs"] = c.needs();
+    ctx->mark_non_differentiable({out.z});
+    return {out.loss, out.z};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = lce_saved(ctx, "fused_linear_cross_entropy");
+    const at::Tensor &gx = saved[0], &gw = saved[1], &gb = saved[2];
+    c10::cuda::CUDAGuard guard(saved[3].device());
+    lce_rescale({gx, gw, gb}, saved[3], grads[0], saved[3].get_device());
+    const int64_t needs = ctx->saved_data["needs"].toInt();
+    const at::Tensor none;
+    return {needs & 1 ? gx : none, needs & 2 ? gw : none, none, needs & 4 ? gb : none, none, none};
+  }
+};
+
+// FusedLinearScaledCrossEntropyFunction: outputs (nll, lse, entropy), all differentiable; the backward rescales
+// the saved gradients of the reduced nll and adds the recompute backward's for lse/entropy when they get one.
+class FusedLinearScaledCrossEntropyFn : public torch::autograd::Function<FusedLinearScaledCrossEntropyFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor x,
+                                                at::Tensor weight, at::Tensor target, std::optional<at::Tensor> bias,
+                                                LceCall c) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    const at::Tensor b = bias.value_or(at::Tensor());
+    LceOut out = lce_forward(x, weight, target, b, at::Tensor(), c, device);
+    at::Tensor applied = at::ones({1}, x.options().dtype(at::kFloat));
+    ctx->save_for_backward({x, weight, target, b, out.lse, out.entropy, out.gx, out.gw, out.gb, applied});
+    ctx->saved_data["ignore_index"] = c.ce.ignore_index;
+    ctx->saved_data["scale"] = c.scale;
+    ctx->saved_data["reduction"] = int64_t(c.ce.reduction);
+    ctx->saved_data["needs"] = c.needs() | (int64_t(c.entropy) << 3);
+    ctx->saved_data["chunk"] = c.plan.chunk;
+    ctx->set_materialize_grads(false);  // an output nobody differentiates costs nothing in the backward
+    return {out.loss, out.lse, out.entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = lce_saved(ctx, "fused_linear_scaled_cross_entropy");
+    const at::Tensor &x = saved[0], &weight = saved[1], &target = saved[2], &bias = saved[3];
+    const at::Tensor &lse = saved[4], &entropy = saved[5], &applied = saved[9];
+    const int64_t needs = ctx->saved_data["needs"].toInt();
+    const bool ent = needs & 8;
+    const at::Tensor none;
+    std::array<at::Tensor, 3> out;
+    c10::cuda::CUDAGuard guard(x.device());
+    if (grads[0].defined()) {
+      out = {saved[6], saved[7], saved[8]};
+      lce_rescale(out, applied, grads[0], x.get_device());
+    }
+    const at::Tensor& g_lse = grads[1];
+    const at::Tensor g_ent = ent ? grads[2] : none;
+    if (g_lse.defined() || g_ent.defined()) {
+      std::array<at::Tensor, 3> extra;
+      {
+        py::gil_scoped_acquire gil;
+        auto opt = [](const at::Tensor& t) -> py::object { return t.defined() ? wrap(t) : py::none(); };
+        const int64_t reduction = ctx->saved_data["reduction"].toInt();
+        py::object result = lce_plans().recompute(
+            wrap(x), wrap(weight), wrap(target), opt(bias), wrap(lse), ent ? wrap(entropy) : py::none(), opt(g_lse),
+            opt(g_ent), ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["scale"].toDouble(),
+            reduction == 1 ? "sum" : "mean", bool(needs & 1), bool(needs & 2), bool(needs & 4),
+            ctx->saved_data["chunk"].toInt());
+        auto t = result.cast<py::tuple>();
+        for (size_t k = 0; k < 3; ++k) extra[k] = THPVariable_Unpack(t[k].ptr());
+      }
+      for (size_t k = 0; k < 3; ++k) out[k] = out[k].defined() ? out[k] + extra[k] : extra[k];
+    }
+    return {needs & 1 ? out[0] : none, needs & 2 ? out[1] : none, none, needs & 4 ? out[2] : none, none};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Entries
+// ---------------------------------------------------------------------------------------------------------
+
+struct LceInputs {
+  at::Tensor x, weight, target;  // x as [N, H] rows and target as [N], as flatten_tokens gives them
+  std::optional<at::Tensor> bias;
+  int64_t esize = 0;
+};
+
+// flatten_tokens and check_linear_inputs (minus the class weight and the empty case): false for anything they
+// would refuse.
+inline bool lce_inputs(py::handle x_h, py::handle weight_h, py::handle target_h, py::handle bias_h,
+                       LceInputs* in) {
+  if (!THPVariable_Check(x_h.ptr()) || !THPVariable_Check(weight_h.ptr()) || !THPVariable_Check(target_h.ptr()))
+    return false;
+  const at::Tensor& x = THPVariable_Unpack(x_h.ptr());
+  const at::Tensor& weight = THPVariable_Unpack(weight_h.ptr());
+  const at::Tensor& target = THPVariable_Unpack(target_h.ptr());
+  if (!x.is_cuda() || !float_dtype(x.scalar_type()) || !rows_ok(x)) return false;
+  const int64_t h = x.size(-1);
+  if (weight.dim() != 2 || weight.scalar_type() != x.scalar_type() || weight.size(0) == 0 || weight.size(1) != h)
+    return false;
+  if (weight.device() != x.device()) return false;
+  if (target.scalar_type() != at::kLong && target.scalar_type() != at::kInt) return false;
+  if (target.sizes() != x.sizes().slice(0, x.dim() - 1) || !target.is_contiguous()) return false;
+  if (target.device() != x.device()) return false;
+  if (!bias_h.is_none()) {
+    if (!THPVariable_Check(bias_h.ptr())) return false;
+    const at::Tensor& b = THPVariable_Unpack(bias_h.ptr());
+    if (b.dim() != 1 || b.scalar_type() != x.scalar_type() || b.size(0) != weight.size(0)) return false;
+    if (b.device() != x.device()) return false;
+    in->bias = b;
+  }
+  in->x = x.view({-1, h});
+  in->weight = weight;
+  in->target = target.view({-1});
+  in->esize = x.element_size();
+  return true;
+}
+
+// chunk_bytes / max_chunk_tokens: None (0 here) or an int >= 1, as check_chunking accepts.
+inline bool lce_chunk_option(py::handle h, int64_t* out) {
+  *out = 0;
+  if (h.is_none()) return true;
+  return ce_int(h, out) && *out >= 1;
+}
+
+// The gradients wanted (needs_grads), or false when none is: the Python path's no-grad forward.
+inline bool lce_needs(const LceInputs& in, LceCall* c) {
+  const bool on = at::GradMode::is_enabled();
+  c->need_x = on && in.x.requires_grad();
+  c->need_w = on && in.weight.requires_grad();
+  c->need_b = on && in.bias.has_value() && in.bias->requires_grad();
+  return c->need_x || c->need_w || c->need_b;
+}
+
+// fused_linear_cross_entropy(x, weight, target, bias, class_weight, ignore_index, label_smoothing,
+// lse_square_scale, softcap, reduction, return_z_loss, chunk_bytes, max_chunk_tokens, loss_dtype) -> what it
+// returns, or None (see the file comment).
+inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle weight_h, py::handle target_h,
+                                                   py::handle bias_h, py::handle cw_h, py::handle ignore_h,
+                                                   py::handle smoothing_h, py::handle z_scale_h,
+                                                   py::handle softcap_h, py::handle reduction_h,
+                                                   py::handle return_z_h, py::handle chunk_bytes_h,
+                                                   py::handle max_chunk_h, py::handle loss_dtype_h) {
+  LceCall c;
+  c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
+  if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
+  LceInputs in;
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
+  const at::Tensor& x = in.x;
+  const int64_t n = x.size(0), v = in.weight.size(0);
+  std::optional<at::Tensor> class_weight;
+  if (!cw_h.is_none()) {  // check_class_weight
+    if (!THPVariable_Check(cw_h.ptr())) return py::none();
+    const at::Tensor& w = THPVariable_Unpack(cw_h.ptr());
+    if (!float_dtype(w.scalar_type()) || w.dim() != 1 || !w.is_contiguous() || w.device() != x.device())
+      return py::none();
+    if (w.size(0) != v || (w.requires_grad() && at::GradMode::is_enabled())) return py::none();
+    class_weight = w;
+    c.ce.has_weight = true;
+  }
+  // check_loss_options, check_chunking, check_flag and check_loss_dtype.
+  bool return_z;
+  int64_t chunk_bytes, max_chunk;
+  if (!ce_int(ignore_h, &c.ce.ignore_index) || !number(smoothing_h, &c.ce.eps) || !number(z_scale_h, &c.ce.z_scale))
+    return py::none();
+  if (!(c.ce.eps >= 0.0 && c.ce.eps <= 1.0) || c.ce.z_scale < 0.0) return py::none();
+  if (!softcap_h.is_none()) {
+    if (!number(softcap_h, &c.ce.softcap) || !(c.ce.softcap > 0.0)) return py::none();
+    c.ce.has_softcap = true;
+  }
+  c.ce.smooth = c.ce.eps > 0.0;
+  c.ce.has_z = c.ce.z_scale > 0.0;
+  if (!boolean(return_z_h, &return_z)) return py::none();
+  if (!lce_chunk_option(chunk_bytes_h, &chunk_bytes) || !lce_chunk_option(max_chunk_h, &max_chunk))
+    return py::none();
+  if (!THPDtype_Check(loss_dtype_h.ptr())) return py::none();
+  const at::ScalarType loss_dtype = reinterpret_cast<THPDtype*>(loss_dtype_h.ptr())->scalar_type;
+  if (loss_dtype != at::kFloat && loss_dtype != x.scalar_type()) return py::none();
+  if (!lce_needs(in, &c)) return py::none();
+  c.plan = lce_chunks(n, v, in.esize, x.get_device(), chunk_bytes, max_chunk, c);
+  if (c.plan.chunk <= 0) return py::none();  // the split-row or cluster forward: launch.py's own path
+  auto outs = FusedLinearCrossEntropyFn::apply(in.x, in.weight, in.target, in.bias, class_weight, c);
+  at::Tensor loss = outs[0];
+  if (loss_dtype != at::kFloat) loss = loss.to(loss_dtype);  // Tensor::to at float32 is a no-op: skipped
+  if (!return_z) return wrap(loss);
+  return py::make_tuple(wrap(loss), wrap(loss_dtype != at::kFloat ? outs[1].to(loss_dtype) : outs[1]));
+}
+
+// fused_linear_scaled_cross_entropy(x, weight, target, bias, inverse_temperature, return_entropy, ignore_index,
+// reduction, chunk_bytes, max_chunk_tokens) -> (nll, lse[, entropy]), or None (see the file comment).
+inline py::object fused_linear_scaled_cross_entropy_entry(py::handle x_h, py::handle weight_h,
+                                                          py::handle target_h, py::handle bias_h,
+                                                          py::handle inv_t_h, py::handle return_entropy_h,
+                                                          py::handle ignore_h, py::handle reduction_h,
+                                                          py::handle chunk_bytes_h, py::handle max_chunk_h) {
+  LceCall c;
+  c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
+  if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
+  LceInputs in;
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
+  int64_t chunk_bytes, max_chunk;
+  if (!number(inv_t_h, &c.scale) || !(c.scale > 0.0) || !boolean(return_entropy_h, &c.entropy)) return py::none();
+  if (!ce_int(ignore_h, &c.ce.ignore_index)) return py::none();
+  if (!lce_chunk_option(chunk_bytes_h, &chunk_bytes) || !lce_chunk_option(max_chunk_h, &max_chunk))
+    return py::none();
+  if (!lce_needs(in, &c)) return py::none();
+  const int64_t n = in.x.size(0), v = in.weight.size(0);
+  c.plan = lce_chunks(n, v, in.esize, in.x.get_device(), chunk_bytes, max_chunk, c);
+  if (c.plan.chunk <= 0) return py::none();
+  auto outs = FusedLinearScaledCrossEntropyFn::apply(in.x, in.weight, in.target, in.bias, c);
+  // lse and entropy of ignored tokens are zeroed (and so are their gradients), as the public function does.
+  const at::Tensor& target = THPVariable_Unpack(target_h.ptr());
+  at::Tensor valid = in.target.ne(c.ce.ignore_index);
+  at::Tensor lse = at::where(valid, outs[1], 0.0).view(target.sizes());
+  if (!c.entropy) return py::make_tuple(wrap(outs[0]), wrap(lse));
+  at::Tensor entropy = at::where(valid, outs[2], 0.0).view(target.sizes());
+  return py::make_tuple(wrap(outs[0]), wrap(lse), wrap(entropy));
+}
+
+inline void bind_linear_cross_entropy(py::module& m) {
+  m.def("linear_cross_entropy_set_plans", [](py::object chunks, py::object rescale, py::object recompute) {
+    LcePlans& p = lce_plans();
+    p.chunks.reset(std::move(chunks));
+    p.rescale.reset(std::move(rescale));
+    p.recompute = std::move(recompute);
+  });
+  m.def("fused_linear_cross_entropy", &fused_linear_cross_entropy_entry,
+        "fused linear cross entropy through the C++ autograd Function, or None");
+  m.def("fused_linear_scaled_cross_entropy", &fused_linear_scaled_cross_entropy_entry,
+        "fused linear scaled cross entropy through the C++ autograd Function, or None");
+}
+
+}  // namespace lck_host
