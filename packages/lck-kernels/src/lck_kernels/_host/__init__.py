@@ -1,10 +1,11 @@
-"""C++ autograd Functions that launch lck's Triton kernels with no Python on the per-call path (issue 28).
+"""C++ autograd code that launches lck's Triton kernels with no Python on the per-call path (issue 28).
 
 A Python ``torch.autograd.Function`` costs the host its Python forward, and its backward runs Python again
 on autograd's device thread, where the interpreter's working set is cold: measured on an H200 (2026-12-02,
 ``benchmarks/host_floor.py``), the RMSNorm backward body took about three times as long there as the same
-code on the calling thread. The ops here are ``torch::autograd::Function``s in C++ (``module.cpp`` and each
-op family's ``csrc/host.h``): they allocate their outputs, look up the launch plan cached per shape and the
+code on the calling thread. The ops here are ``torch::autograd::Function``s in C++, or for RMSNorm a
+hand-written backward node (``node.h``: less bookkeeping per call than a Function's), in ``module.cpp`` and each
+op family's ``csrc/host.h``: they allocate their outputs, look up the launch plan cached per shape and the
 compiled Triton variant cached per argument specialisation (``launcher.h``), and call ``cuLaunchKernel``.
 Python is only consulted the first time a shape or a variant is seen: the plan comes from the family's
 ``launch.py`` and the kernel is compiled and launched by Triton itself, which then says how to launch it

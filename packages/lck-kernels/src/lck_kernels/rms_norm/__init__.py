@@ -58,7 +58,7 @@ def rms_norm(
     Raises ``TypeError``/``ValueError`` naming the argument for a wrong dtype, device, shape or stride.
     """
     host = _host.ready(x, weight)
-    if host is not None:  # the C++ autograd Function; None when it does not take these arguments
+    if host is not None:  # the C++ path (a backward node); None when it does not take these arguments
         y = host.rms_norm(x, weight, eps, offset, casting_mode, in_place)
         if y is not None:
             return y
