@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _device import gpu
-from _host_harness import load_harness
+from _host_harness import harness_slots, interpreted_harness, on_device_0
 
 import lck_kernels as L
 from lck_kernels import _common, _host
@@ -314,59 +314,16 @@ def test_host_plans_refuse_the_split_forward(fake_sms: None) -> None:
 # CPU: host.h's entry and Functions, every launch handed to the Triton interpreter (no GPU needed)
 # ---------------------------------------------------------------------------------------------------------
 
-# launch_args<6/7/19/22> (the reduction, rescale, forward and backward kernels' runtime arguments) specialised before
-# host.h is included: each calls the Python callback with (Launch, grid, args), which runs the kernel under
-# TRITON_INTERPRET=1 on the CPU tensors. The CUDA guard becomes a no-op and is_cuda() is_cpu(), so the entry
-# takes CPU tensors; everything else is host.h as built for the GPU.
-_HARNESS = r"""
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include "@HOST@/checks.h"
-#include "@HOST@/launcher.h"
-namespace c10::cuda { struct FakeGuard { explicit FakeGuard(c10::Device) {} }; }
-#define CUDAGuard FakeGuard
-#define is_cuda() is_cpu()
-namespace lck_host {
-template <size_t N> void interpret(int slot, std::array<unsigned, 3> grid, const std::array<Arg, N>& args) {
-  Registry& reg = registry();
-  py::gil_scoped_acquire gil;
-  py::object launch_obj = reg.slots.at(slot).launch;
-  reg.compile_cb(launch_obj, py::make_tuple(grid[0], grid[1], grid[2]), py_args(args));
-  ++reg.python_launches;
-}
-template <> void launch_args<6>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 6>& a) { interpret(s, g, a); }
-template <> void launch_args<7>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 7>& a) { interpret(s, g, a); }
-template <> void launch_args<19>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 19>& a) { interpret(s, g, a); }
-template <> void launch_args<22>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 22>& a) { interpret(s, g, a); }
-}  // namespace lck_host
-#include "@PKG@/cross_entropy/csrc/host.h"
-PYBIND11_MODULE(_cross_entropy_host_harness, m) {
-  m.def("add_slot", &lck_host::add_slot);
-  m.def("set_compile_callback", [](py::object cb) { lck_host::registry().compile_cb = std::move(cb); });
-  lck_host::bind_cross_entropy(m);
-}
-"""
-
 
 @pytest.fixture(scope="module")
 def harness():
-    """The harness module with the plans and the interpreter wired in, built once per machine into the LCK
-    JIT cache (tens of seconds)."""
-    module = load_harness("_cross_entropy_host_harness", _HARNESS, "cross entropy host harness")
-    slots: dict[int, int] = {}
-
-    def slot(launch: Any) -> int:
-        if id(launch) not in slots:
-            slots[id(launch)] = module.add_slot(launch)
-        return slots[id(launch)]
-
-    # A CPU tensor's device index is -1; the plans are asked for device 0, whose SM count the fixture below
-    # fakes as num_sms does for CPU tensors (4), so both paths get the same grids.
-    plans = ce_launch.host_plans(slot)
-    module.cross_entropy_set_plans(*(lambda *a, p=p: p(*(0 if x == -1 else x for x in a)) for p in plans))
-    module.set_compile_callback(lambda launch, grid, args: launch.fn[grid](*args, **launch.meta))
+    """host.h with its launches interpreted (argument counts 6 for the reduction and finalize, 7 the rescale, 19
+    the forward, 22 the backward) and the plans wired in, built once per machine into the LCK JIT cache (tens of
+    seconds)."""
+    module = interpreted_harness(
+        "cross_entropy", (6, 7, 19, 22), ("cross_entropy",), "cross entropy host harness"
+    )
+    module.cross_entropy_set_plans(*(on_device_0(p) for p in ce_launch.host_plans(harness_slots(module))))
     return module
 
 

@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 from _device import gpu
-from _host_harness import load_harness
+from _host_harness import harness_slots, interpreted_harness, on_device_0
 
 import lck_kernels as L
 from lck_kernels import _common, _host
@@ -384,64 +384,20 @@ def test_host_plans_refuse_the_split_forward(fake_sms: None) -> None:
 # CPU: host.h's entries and Functions, every launch handed to the Triton interpreter (no GPU needed)
 # ---------------------------------------------------------------------------------------------------------
 
-# launch_args<N> for every argument count host.h's launches take (the rescale factor 3, the rescale 4, the
-# reduction and finalize 6, the row kernel 19, and cross entropy's own) specialised before host.h is included:
-# each calls the Python callback with (Launch, grid, args), which runs the kernel under TRITON_INTERPRET=1 on
-# the CPU tensors. The CUDA guard becomes a no-op and is_cuda() is_cpu(), so the entries take CPU tensors;
-# everything else is host.h as built for the GPU.
-_HARNESS = r"""
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include "@HOST@/checks.h"
-#include "@HOST@/launcher.h"
-namespace c10::cuda { struct FakeGuard { explicit FakeGuard(c10::Device) {} }; }
-#define CUDAGuard FakeGuard
-#define is_cuda() is_cpu()
-namespace lck_host {
-template <size_t N> void interpret(int slot, std::array<unsigned, 3> grid, const std::array<Arg, N>& args) {
-  Registry& reg = registry();
-  py::gil_scoped_acquire gil;
-  py::object launch_obj = reg.slots.at(slot).launch;
-  reg.compile_cb(launch_obj, py::make_tuple(grid[0], grid[1], grid[2]), py_args(args));
-  ++reg.python_launches;
-}
-#define INTERPRET(N) \
-  template <> void launch_args<N>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, N>& a) { interpret(s, g, a); }
-INTERPRET(3) INTERPRET(4) INTERPRET(5) INTERPRET(6) INTERPRET(7) INTERPRET(8) INTERPRET(19) INTERPRET(22)
-}  // namespace lck_host
-#include "@PKG@/linear_cross_entropy/csrc/host.h"
-PYBIND11_MODULE(_linear_cross_entropy_host_harness, m) {
-  m.def("add_slot", &lck_host::add_slot);
-  m.def("set_compile_callback", [](py::object cb) { lck_host::registry().compile_cb = std::move(cb); });
-  lck_host::bind_cross_entropy(m);
-  lck_host::bind_linear_cross_entropy(m);
-}
-"""
-
 
 @pytest.fixture(scope="module")
 def harness():
-    """The harness module with the plans and the interpreter wired in, built once per machine into the LCK
-    JIT cache (tens of seconds)."""
-    module = load_harness("_linear_cross_entropy_host_harness", _HARNESS, "linear cross entropy host harness")
-    slots: dict[int, int] = {}
-
-    def slot(launch: Any) -> int:
-        if id(launch) not in slots:
-            slots[id(launch)] = module.add_slot(launch)
-        return slots[id(launch)]
-
-    def on_device_0(plan):
-        # A CPU tensor's device index is -1; the plans are asked for device 0, whose SM count the fake_sms
-        # fixture fakes as num_sms does for CPU tensors (4), so both paths get the same grids.
-        return lambda *a: plan(*(0 if x == -1 else x for x in a))
-
+    """host.h (with cross entropy's) with its launches interpreted and the plans wired in, built once per machine
+    into the LCK JIT cache (tens of seconds). Argument counts: the rescale factor 3, the rescale 4, the
+    reduction and finalize 6, the row kernel 19, and cross entropy's own."""
+    module = interpreted_harness(
+        "linear_cross_entropy", (3, 4, 5, 6, 7, 8, 19, 22), ("cross_entropy", "linear_cross_entropy"),
+        "linear cross entropy host harness",
+    )  # fmt: skip
+    slot = harness_slots(module)
     module.cross_entropy_set_plans(*(on_device_0(p) for p in ce_launch.host_plans(slot)))
     chunks, rescale, recompute = lce_launch.host_plans(slot)
     module.linear_cross_entropy_set_plans(on_device_0(chunks), on_device_0(rescale), recompute)
-    module.set_compile_callback(lambda launch, grid, args: launch.fn[grid](*args, **launch.meta))
     return module
 
 

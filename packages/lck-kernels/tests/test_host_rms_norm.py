@@ -13,64 +13,21 @@ the forward both refused with torch's errors, ``autograd.grad`` asking for one i
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from _host_harness import load_harness
+from _host_harness import harness_slots, interpreted_harness, on_device_0
 
 from lck_kernels.rms_norm import launch as rms_launch
 from lck_kernels.rms_norm.ops import RMSNormFunction
 
-# launch_args<N> for the RMSNorm kernels' runtime argument counts (the dweight sum 4, the tiled path's dot 9,
-# the forward 10, the row backward 13, the tiled backward 14), each handing the launch to the interpreter.
-_HARNESS = r"""
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include "@HOST@/checks.h"
-#include "@HOST@/launcher.h"
-#include "@HOST@/node.h"
-namespace c10::cuda { struct FakeGuard { explicit FakeGuard(c10::Device) {} }; }
-#define CUDAGuard FakeGuard
-#define is_cuda() is_cpu()
-namespace lck_host {
-template <size_t N> void interpret(int slot, std::array<unsigned, 3> grid, const std::array<Arg, N>& args) {
-  Registry& reg = registry();
-  py::gil_scoped_acquire gil;
-  py::object launch_obj = reg.slots.at(slot).launch;
-  reg.compile_cb(launch_obj, py::make_tuple(grid[0], grid[1], grid[2]), py_args(args));
-  ++reg.python_launches;
-}
-template <> void launch_args<4>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 4>& a) { interpret(s, g, a); }
-template <> void launch_args<9>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 9>& a) { interpret(s, g, a); }
-template <> void launch_args<10>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 10>& a) { interpret(s, g, a); }
-template <> void launch_args<13>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 13>& a) { interpret(s, g, a); }
-template <> void launch_args<14>(int s, std::array<unsigned, 3> g, int, const std::array<Arg, 14>& a) { interpret(s, g, a); }
-}  // namespace lck_host
-#include "@PKG@/rms_norm/csrc/host.h"
-PYBIND11_MODULE(_rms_norm_host_harness, m) {
-  m.def("add_slot", &lck_host::add_slot);
-  m.def("set_compile_callback", [](py::object cb) { lck_host::registry().compile_cb = std::move(cb); });
-  lck_host::bind_rms_norm(m);
-}
-"""
-
 
 @pytest.fixture(scope="module")
 def harness():
-    """The harness with the plans and the interpreter wired in (built once per machine into the JIT cache)."""
-    module = load_harness("_rms_norm_host_harness", _HARNESS, "RMSNorm host harness")
-    slots: dict[int, int] = {}
-
-    def slot(launch: Any) -> int:
-        if id(launch) not in slots:
-            slots[id(launch)] = module.add_slot(launch)
-        return slots[id(launch)]
-
-    # A CPU tensor's device index is -1; the plans take device 0, whose SM count fake_sms makes the CPU's (4).
-    plans = rms_launch.host_plans(slot)
-    module.rms_norm_set_plans(*(lambda *a, p=p: p(*(0 if x == -1 else x for x in a)) for p in plans))
-    module.set_compile_callback(lambda launch, grid, args: launch.fn[grid](*args, **launch.meta))
+    """host.h with its launches interpreted and the plans wired in (built once per machine into the JIT cache):
+    launch counts 4 (the dweight sum), 9 (the tiled path's dot), 10 (the forward), 13 (the row backward) and
+    14 (the tiled backward)."""
+    module = interpreted_harness("rms_norm", (4, 9, 10, 13, 14), ("rms_norm",), "RMSNorm host harness")
+    module.rms_norm_set_plans(*(on_device_0(p) for p in rms_launch.host_plans(harness_slots(module))))
     return module
 
 
