@@ -3,7 +3,7 @@ launches handed to the Triton interpreter or a stand-in), built once per machine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -95,3 +95,16 @@ def on_device_0(plan: Callable[..., Any]) -> Callable[..., Any]:
     """A plan callback asked for device 0 where the harness passes a CPU tensor's device index (-1); tests fake
     device 0's SM count as ``num_sms`` answers for CPU tensors (4), so both paths get the same grids."""
     return lambda *a: plan(*(0 if x == -1 else x for x in a))
+
+
+def ce_sms_faked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Cross entropy's launch configurations computed with 4 SMs on any device (no GPU needed), their caches
+    cleared after: the body of the ``fake_sms`` fixtures of the cross-entropy host tests."""
+    from lck_kernels.cross_entropy import launch as ce_launch
+
+    monkeypatch.setattr(ce_launch, "num_sms", lambda device: 4)
+    cached = (ce_launch.ce_launch_config, ce_launch._fwd_launch, ce_launch._bwd_launch)
+    cached += (ce_launch._rescale_rows_launch,)
+    yield
+    for fn in cached:
+        fn.cache_clear()

@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 from _device import gpu
-from _host_harness import harness_slots, interpreted_harness, on_device_0
+from _host_harness import ce_sms_faked, harness_slots, interpreted_harness, on_device_0
 
 import lck_kernels as L
 from lck_kernels import _common, _host
@@ -307,12 +307,7 @@ def test_cpu_calls_never_reach_the_host_module(monkeypatch: pytest.MonkeyPatch) 
 @pytest.fixture
 def fake_sms(monkeypatch: pytest.MonkeyPatch):
     """Launch configurations computed with 4 SMs on any device (no GPU needed); caches cleared after."""
-    monkeypatch.setattr(ce_launch, "num_sms", lambda device: 4)
-    cached = (ce_launch.ce_launch_config, ce_launch._fwd_launch, ce_launch._bwd_launch)
-    cached += (ce_launch._rescale_rows_launch,)
-    yield
-    for fn in cached:
-        fn.cache_clear()
+    yield from ce_sms_faked(monkeypatch)
 
 
 def test_host_plans_are_the_python_launches(fake_sms: None, monkeypatch: pytest.MonkeyPatch) -> None:
