@@ -8,6 +8,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from lck_kernels._common import interpreting
 
@@ -108,3 +109,15 @@ def ce_sms_faked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     for fn in cached:
         fn.cache_clear()
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """The C++ path's and the Python Functions' results bit for bit, NaN where the other has NaN (a mean over
+    ignored rows only is 0/0 on both paths)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan()), f"{what}: NaN in different places"
+    same = torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+    assert same, f"{what}: differs (max |diff| {(a.float() - b.float()).abs().nan_to_num().max().item()})"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _device import gpu
-from _host_harness import ce_sms_faked, harness_slots, interpreted_harness, on_device_0
+from _host_harness import assert_bits_equal, ce_sms_faked, harness_slots, interpreted_harness, on_device_0
 
 import lck_kernels as L
 from lck_kernels import _common, _host
@@ -106,17 +106,6 @@ def _pair(logits, target, kw, reduction: str, in_place: bool, grad_output: torch
     return outs
 
 
-def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Bit for bit, NaN where the other has NaN (a mean over one ignored row is 0/0 on both paths)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    )
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan()), f"{what}: NaN in different places"
-    same = torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
-    assert same, f"{what}: differs (max |diff| {(a.float() - b.float()).abs().nan_to_num().max().item()})"
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("shape", "dtype"), SHAPES)
@@ -134,7 +123,7 @@ def test_host_cross_entropy_equals_python_functions_bit_for_bit(shape, dtype, op
                 g = torch.tensor(scale, device="cuda")
             host, python = _pair(logits, target, kw, reduction, in_place, g)
             for name, a, b in zip(("loss", "z_loss", "grad"), host, python):
-                _assert_same(a, b, f"{name} (in_place={in_place}, grad_output {scale})")
+                assert_bits_equal(a, b, f"{name} (in_place={in_place}, grad_output {scale})")
     assert _host.module() is not None, "the host module did not build"
     after = _host.launch_counts()
     assert after[0] > before[0], "no launch went through C++"
@@ -160,14 +149,14 @@ def test_host_forward_without_grad_and_loss_dtype(shape, dtype, reduction) -> No
         assert host[0].grad_fn is None
         assert torch.equal(x, logits), "nothing is written into the logits without grad"
         for name, a, b in zip(("loss", "z_loss"), host, python):
-            _assert_same(a, b, f"no-grad {name}")
+            assert_bits_equal(a, b, f"no-grad {name}")
     assert _host.launch_counts()[0] > before, "no launch went through C++"
     # loss_dtype = the logits' dtype: the float32 loss rounded, as the Python path rounds it.
     x = logits.clone().requires_grad_(True)
     loss, z = L.cross_entropy(x, target, reduction=reduction, return_z_loss=True, loss_dtype=dtype, **kw)
     ref, ref_z = _python(logits.clone().requires_grad_(True), target, kw, reduction, False)
-    _assert_same(loss, ref.to(dtype), "loss in loss_dtype")
-    _assert_same(z, ref_z.to(dtype), "z_loss in loss_dtype")
+    assert_bits_equal(loss, ref.to(dtype), "loss in loss_dtype")
+    assert_bits_equal(z, ref_z.to(dtype), "z_loss in loss_dtype")
 
 
 @gpu
@@ -365,7 +354,7 @@ def test_harness_equals_python_functions_bit_for_bit(
             dx = torch.autograd.grad(loss, x, g_out)[0].clone() if grad else x
             outs.append((loss.detach(), z, dx))
         for name, a, b in zip(("loss", "z_loss", "grad"), *outs):
-            _assert_same(a, b, f"{name} (in_place={in_place}, grad={grad})")
+            assert_bits_equal(a, b, f"{name} (in_place={in_place}, grad={grad})")
 
 
 def test_harness_refusals_and_autograd_errors(harness, fake_sms) -> None:

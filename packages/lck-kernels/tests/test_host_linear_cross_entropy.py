@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 from _device import gpu
-from _host_harness import ce_sms_faked, harness_slots, interpreted_harness, on_device_0
+from _host_harness import assert_bits_equal, ce_sms_faked, harness_slots, interpreted_harness, on_device_0
 
 import lck_kernels as L
 from lck_kernels import _common, _host
@@ -145,21 +145,10 @@ def _flsce_pair(x, w, b, target, kw, differentiated, needs="xwb", host=None):
     return outs
 
 
-def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Bit for bit, NaN where the other has NaN (a mean over ignored tokens only is 0/0 on both paths)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    )
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan()), f"{what}: NaN in different places"
-    same = torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
-    assert same, f"{what}: differs (max |diff| {(a.float() - b.float()).abs().nan_to_num().max().item()})"
-
-
 def _assert_pair(host, python, what: str) -> None:
     assert len(host) == len(python)
     for k, (a, b) in enumerate(zip(host, python)):
-        _assert_same(a, b, f"{what}: output {k}")
+        assert_bits_equal(a, b, f"{what}: output {k}")
 
 
 @gpu
@@ -438,7 +427,7 @@ def test_harness_flce_equals_python_functions_bit_for_bit(
     xa, wa, ba, _ = _leaves(x, w, b, "xwb")
     loss = host(xa, wa, target, ba, reduction=reduction, loss_dtype=dtype, **kw)
     ref = L.fused_linear_cross_entropy(xa, wa, target, ba, reduction=reduction, loss_dtype=dtype, **kw)
-    _assert_same(loss.detach(), ref.detach(), "loss in loss_dtype")
+    assert_bits_equal(loss.detach(), ref.detach(), "loss in loss_dtype")
 
 
 @pytest.mark.parametrize(
