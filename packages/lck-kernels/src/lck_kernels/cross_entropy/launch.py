@@ -294,15 +294,23 @@ def _rescale_rows_launch(n_rows: int, n_cols: int, device: torch.device) -> tupl
 RESCALE_BLOCK = 4096  # elements per program step of launch_rescale_flat's kernel
 
 
+def rescale_flat_launches() -> tuple[Launch, Launch]:
+    """``launch_rescale_flat``'s factor kernel and rescale kernel (also launched by the C++ fused linear ops)."""
+    return (
+        launch_for(k._rescale_factor_kernel, num_warps=1),
+        launch_for(k._rescale_kernel, BLOCK=RESCALE_BLOCK, num_warps=8),
+    )
+
+
 def launch_rescale_flat(
     tensors: list[torch.Tensor], applied: torch.Tensor, g: torch.Tensor, *, wrap: bool
 ) -> None:
     """Each contiguous tensor ← tensor × ``g / applied`` (``g`` and ``applied`` hold one value); then
     ``applied`` ← ``g``. Programs exit at once when the factor is exactly 1."""
     factor = torch.empty(1, dtype=torch.float32, device=applied.device)
-    _run(launch_for(k._rescale_factor_kernel, num_warps=1), wrap, (1,), g, applied, factor)
+    factor_launch, rescale = rescale_flat_launches()
+    _run(factor_launch, wrap, (1,), g, applied, factor)
     block = RESCALE_BLOCK
-    rescale = launch_for(k._rescale_kernel, BLOCK=block, num_warps=8)
     for t in tensors:
         if t.numel() == 0:
             continue
@@ -310,12 +318,12 @@ def launch_rescale_flat(
         _run(rescale, wrap, rescale_grid(n, block, t.device), t, n, triton.cdiv(n, block), factor)
 
 
+FINALIZE_BLOCK = 4096  # per-row terms summed per step by _ce_finalize_kernel's one program
+
+
 @config_cache
 def _finalize_launch(mean: bool, has_z: bool) -> Launch:
     return launch_for(k._ce_finalize_kernel, MEAN=mean, HAS_Z=has_z, BLOCK=FINALIZE_BLOCK, num_warps=8)
-
-
-FINALIZE_BLOCK = 4096
 
 
 def finalize_loss(
@@ -334,6 +342,21 @@ def finalize_loss(
     return loss, z
 
 
+def host_fwd_plan(
+    n_rows: int, n_cols: int, element_size: int, device: torch.device, flags: tuple
+) -> tuple[tuple[int], Launch] | None:
+    """``launch_fwd``'s (grid, launch) for a C++ host path (``flags`` as ``_fwd_launch`` takes them), or None where
+    launch_fwd runs the split-row kernel (a scratch buffer, two launches under the interpreter) or the CUDA
+    cluster kernel: those calls stay on the Python path."""
+    grad = flags[-1]
+    name = "cross_entropy_fwd_grad" if grad else "cross_entropy_fwd"
+    if grad:
+        cfg = ce_launch_config(name, n_rows, n_cols, element_size, device)
+        if cfg["SPLIT"] > 1 or (cuda_enabled() and tuned(name, dict(_DEFAULTS[name]))["cuda"]):
+            return None
+    return _fwd_launch(name, n_rows, n_cols, element_size, device, flags)
+
+
 def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
     """The plan callbacks of the C++ cross entropy (``csrc/host.h``), given ``slot`` (a Launch's C++ registry
     id): the launches and grids ``launch_reduction``, ``launch_fwd``, ``launch_bwd`` (a per-row loss gradient),
@@ -349,17 +372,9 @@ def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
         n_rows: int, n_cols: int, element_size: int, device: int,
         has_weight: bool, smooth: bool, has_z: bool, has_softcap: bool, grad: bool,
     ) -> tuple[int, int] | None:  # fmt: skip
-        dev = torch.device("cuda", device)
-        name = "cross_entropy_fwd_grad" if grad else "cross_entropy_fwd"
-        if grad:
-            # The split-row kernel (a scratch buffer, two launches under the interpreter) and the CUDA cluster
-            # kernel stay with launch_fwd: None sends the call down the Python path.
-            cfg = ce_launch_config(name, n_rows, n_cols, element_size, dev)
-            if cfg["SPLIT"] > 1 or (cuda_enabled() and tuned(name, dict(_DEFAULTS[name]))["cuda"]):
-                return None
         flags = (has_weight, smooth, has_z, has_softcap, False, grad)
-        grid, launch = _fwd_launch(name, n_rows, n_cols, element_size, dev, flags)
-        return slot(launch), grid[0]
+        plan = host_fwd_plan(n_rows, n_cols, element_size, torch.device("cuda", device), flags)
+        return None if plan is None else (slot(plan[1]), plan[0][0])
 
     def bwd(
         n_rows: int, n_cols: int, element_size: int, device: int,

@@ -39,18 +39,16 @@ from typing import Any, NamedTuple
 import torch
 
 from lck_kernels._common import cdiv, tuned
-from lck_kernels._eager import Launch, launch_for
-from lck_kernels.cross_entropy import kernels as ce_kernels
-from lck_kernels.cross_entropy.cuda import enabled as cuda_enabled
+from lck_kernels._eager import Launch
 from lck_kernels.cross_entropy.launch import (
     RESCALE_BLOCK,
     CEOptions,
-    _fwd_launch,
-    ce_launch_config,
     finalize_loss,
+    host_fwd_plan,
     launch_bwd,
     launch_fwd,
     launch_reduction,
+    rescale_flat_launches,
     rescale_grid,
 )
 
@@ -325,9 +323,6 @@ def needs_grads(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[bool, b
     return on and x.requires_grad, on and weight.requires_grad, on and bias is not None and bias.requires_grad
 
 
-_FWD_GRAD = "cross_entropy_fwd_grad"
-
-
 def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
     """The callbacks of the C++ fused schedule (``csrc/host.h``), given ``slot`` (a Launch's C++ registry id):
 
@@ -355,20 +350,16 @@ def host_plans(slot: Callable[[Launch], int]) -> tuple[Callable[..., Any], ...]:
         )
         dev = torch.device("cuda", device)
         plan = [chunk]
+        flags = (has_weight, smooth, has_z, has_softcap, entropy, True)
         for rows in (chunk, n_tokens - (cdiv(n_tokens, chunk) - 1) * chunk):
-            cfg = ce_launch_config(_FWD_GRAD, rows, vocab, element_size, dev)
-            if cfg["SPLIT"] > 1 or (
-                cuda_enabled() and tuned(_FWD_GRAD, dict(ce_kernels._DEFAULTS[_FWD_GRAD]))["cuda"]
-            ):
+            row_plan = host_fwd_plan(rows, vocab, element_size, dev, flags)
+            if row_plan is None:
                 return None
-            flags = (has_weight, smooth, has_z, has_softcap, entropy, True)
-            grid, launch = _fwd_launch(_FWD_GRAD, rows, vocab, element_size, dev, flags)
-            plan += [slot(launch), grid[0]]
+            plan += [slot(row_plan[1]), row_plan[0][0]]
         return tuple(plan)  # type: ignore[return-value]
 
     def rescale(n: int, device: int) -> tuple[int, int, int, int]:
-        factor = launch_for(ce_kernels._rescale_factor_kernel, num_warps=1)
-        launch = launch_for(ce_kernels._rescale_kernel, BLOCK=RESCALE_BLOCK, num_warps=8)
+        factor, launch = rescale_flat_launches()
         grid = rescale_grid(n, RESCALE_BLOCK, torch.device("cuda", device))
         return slot(factor), slot(launch), grid[0], cdiv(n, RESCALE_BLOCK)
 

@@ -270,6 +270,52 @@ inline bool ce_int(py::handle h, int64_t* out) {
   return true;
 }
 
+// check_class_weight: None, or a float [v] contiguous tensor on `like`'s device that needs no gradient (stored in
+// *out, and c->has_weight set); false for anything else.
+inline bool ce_class_weight(py::handle h, const at::Tensor& like, int64_t v, std::optional<at::Tensor>* out,
+                            CeCall* c) {
+  if (h.is_none()) return true;
+  if (!THPVariable_Check(h.ptr())) return false;
+  const at::Tensor& w = THPVariable_Unpack(h.ptr());
+  if (!float_dtype(w.scalar_type()) || w.dim() != 1 || !w.is_contiguous() || w.device() != like.device())
+    return false;
+  if (w.size(0) != v || (w.requires_grad() && at::GradMode::is_enabled())) return false;
+  *out = w;
+  c->has_weight = true;
+  return true;
+}
+
+// check_loss_options minus the reduction: ignore_index, label smoothing, z-loss scale and soft cap into *c with
+// the flags they imply; false for anything check_loss_options refuses.
+inline bool ce_loss_options(py::handle ignore_h, py::handle smoothing_h, py::handle z_scale_h,
+                            py::handle softcap_h, CeCall* c) {
+  if (!ce_int(ignore_h, &c->ignore_index) || !number(smoothing_h, &c->eps) || !number(z_scale_h, &c->z_scale))
+    return false;
+  if (!(c->eps >= 0.0 && c->eps <= 1.0) || c->z_scale < 0.0) return false;
+  if (!softcap_h.is_none()) {
+    if (!number(softcap_h, &c->softcap) || !(c->softcap > 0.0)) return false;
+    c->has_softcap = true;
+  }
+  c->smooth = c->eps > 0.0;
+  c->has_z = c->z_scale > 0.0;
+  return true;
+}
+
+// check_loss_dtype: a torch.dtype that is float32 or the input's; false otherwise.
+inline bool ce_loss_dtype(py::handle h, at::ScalarType input, at::ScalarType* out) {
+  if (!THPDtype_Check(h.ptr())) return false;
+  *out = reinterpret_cast<THPDtype*>(h.ptr())->scalar_type;
+  return *out == at::kFloat || *out == input;
+}
+
+// The float32 loss (and z-loss) as the public function returns them: in loss_dtype, the z-loss only when asked.
+// Tensor::to returns the tensor itself at its own dtype; the check skips a dispatcher round trip.
+inline py::object ce_result(at::Tensor loss, const at::Tensor& z, at::ScalarType loss_dtype, bool return_z) {
+  if (loss_dtype != at::kFloat) loss = loss.to(loss_dtype);
+  if (!return_z) return wrap(loss);
+  return py::make_tuple(wrap(loss), wrap(loss_dtype != at::kFloat ? z.to(loss_dtype) : z));
+}
+
 // cross_entropy(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
 // return_z_loss, in_place, loss_dtype) -> what cross_entropy returns, or None (see the file comment).
 inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, py::handle weight_h,
@@ -288,31 +334,14 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
   if (target.device() != logits.device()) return py::none();
   CeCall c;
   std::optional<at::Tensor> weight;
-  if (!weight_h.is_none()) {
-    if (!THPVariable_Check(weight_h.ptr())) return py::none();
-    const at::Tensor& w = THPVariable_Unpack(weight_h.ptr());
-    if (!float_dtype(w.scalar_type()) || w.dim() != 1 || !w.is_contiguous() || w.device() != logits.device())
-      return py::none();
-    if (w.size(0) != v || (w.requires_grad() && at::GradMode::is_enabled())) return py::none();
-    weight = w;
-    c.has_weight = true;
-  }
+  if (!ce_class_weight(weight_h, logits, v, &weight, &c)) return py::none();
   // check_loss_options, the flags and check_loss_dtype.
   bool return_z, in_place;
-  if (!ce_int(ignore_h, &c.ignore_index) || !number(smoothing_h, &c.eps) || !number(z_scale_h, &c.z_scale))
-    return py::none();
-  if (!(c.eps >= 0.0 && c.eps <= 1.0) || c.z_scale < 0.0) return py::none();
-  if (!softcap_h.is_none()) {
-    if (!number(softcap_h, &c.softcap) || !(c.softcap > 0.0)) return py::none();
-    c.has_softcap = true;
-  }
-  c.smooth = c.eps > 0.0;
-  c.has_z = c.z_scale > 0.0;
+  at::ScalarType loss_dtype;
+  if (!ce_loss_options(ignore_h, smoothing_h, z_scale_h, softcap_h, &c)) return py::none();
   c.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.reduction < 0 || !boolean(return_z_h, &return_z) || !boolean(in_place_h, &in_place)) return py::none();
-  if (!THPDtype_Check(loss_dtype_h.ptr())) return py::none();
-  const at::ScalarType loss_dtype = reinterpret_cast<THPDtype*>(loss_dtype_h.ptr())->scalar_type;
-  if (loss_dtype != at::kFloat && loss_dtype != logits.scalar_type()) return py::none();
+  if (!ce_loss_dtype(loss_dtype_h, logits.scalar_type(), &loss_dtype)) return py::none();
   const bool with_grad = at::GradMode::is_enabled() && logits.requires_grad();
   c.in_place = with_grad && in_place;  // without grad nothing is written into the logits
   // The gradient written over the logits needs rows that do not overlap (the ops raise otherwise).
@@ -331,10 +360,7 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
                                  : CrossEntropyFn::apply(logits, target, weight, c);
     loss = outs[0], z = outs[1];
   }
-  // Tensor::to returns the tensor itself at its own dtype; the check skips a dispatcher round trip.
-  if (loss_dtype != at::kFloat) loss = loss.to(loss_dtype);
-  if (!return_z) return wrap(loss);
-  return py::make_tuple(wrap(loss), wrap(loss_dtype != at::kFloat ? z.to(loss_dtype) : z));
+  return ce_result(loss, z, loss_dtype, return_z);
 }
 
 inline void bind_cross_entropy(py::module& m) {

@@ -111,7 +111,7 @@ inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const a
   at::Tensor applied = at::empty({n}, f32);  // the row kernel's marks; the backward rescales whole buffers
   at::Tensor gx = c.need_x ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
   at::Tensor gw = c.need_w ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, weight.options());
-  at::Tensor gb32 = at::zeros({c.need_b ? v : 0}, f32);
+  at::Tensor gb32 = c.need_b ? at::zeros({v}, f32) : at::empty({0}, f32);  // no fill call when unused
   at::Tensor buf = at::empty({std::min(chunk, n), v}, x.options());
   const at::Tensor wt = weight.t();
   for (int64_t s = 0; s < n; s += chunk) {
@@ -349,41 +349,21 @@ inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle we
   const at::Tensor& x = in.x;
   const int64_t n = x.size(0), v = in.weight.size(0);
   std::optional<at::Tensor> class_weight;
-  if (!cw_h.is_none()) {  // check_class_weight
-    if (!THPVariable_Check(cw_h.ptr())) return py::none();
-    const at::Tensor& w = THPVariable_Unpack(cw_h.ptr());
-    if (!float_dtype(w.scalar_type()) || w.dim() != 1 || !w.is_contiguous() || w.device() != x.device())
-      return py::none();
-    if (w.size(0) != v || (w.requires_grad() && at::GradMode::is_enabled())) return py::none();
-    class_weight = w;
-    c.ce.has_weight = true;
-  }
+  if (!ce_class_weight(cw_h, x, v, &class_weight, &c.ce)) return py::none();
   // check_loss_options, check_chunking, check_flag and check_loss_dtype.
   bool return_z;
   int64_t chunk_bytes, max_chunk;
-  if (!ce_int(ignore_h, &c.ce.ignore_index) || !number(smoothing_h, &c.ce.eps) || !number(z_scale_h, &c.ce.z_scale))
-    return py::none();
-  if (!(c.ce.eps >= 0.0 && c.ce.eps <= 1.0) || c.ce.z_scale < 0.0) return py::none();
-  if (!softcap_h.is_none()) {
-    if (!number(softcap_h, &c.ce.softcap) || !(c.ce.softcap > 0.0)) return py::none();
-    c.ce.has_softcap = true;
-  }
-  c.ce.smooth = c.ce.eps > 0.0;
-  c.ce.has_z = c.ce.z_scale > 0.0;
+  at::ScalarType loss_dtype;
+  if (!ce_loss_options(ignore_h, smoothing_h, z_scale_h, softcap_h, &c.ce)) return py::none();
   if (!boolean(return_z_h, &return_z)) return py::none();
   if (!lce_chunk_option(chunk_bytes_h, &chunk_bytes) || !lce_chunk_option(max_chunk_h, &max_chunk))
     return py::none();
-  if (!THPDtype_Check(loss_dtype_h.ptr())) return py::none();
-  const at::ScalarType loss_dtype = reinterpret_cast<THPDtype*>(loss_dtype_h.ptr())->scalar_type;
-  if (loss_dtype != at::kFloat && loss_dtype != x.scalar_type()) return py::none();
+  if (!ce_loss_dtype(loss_dtype_h, x.scalar_type(), &loss_dtype)) return py::none();
   if (!lce_needs(in, &c)) return py::none();
   c.plan = lce_chunks(n, v, in.esize, x.get_device(), chunk_bytes, max_chunk, c);
   if (c.plan.chunk <= 0) return py::none();  // the split-row or cluster forward: launch.py's own path
   auto outs = FusedLinearCrossEntropyFn::apply(in.x, in.weight, in.target, in.bias, class_weight, c);
-  at::Tensor loss = outs[0];
-  if (loss_dtype != at::kFloat) loss = loss.to(loss_dtype);  // Tensor::to at float32 is a no-op: skipped
-  if (!return_z) return wrap(loss);
-  return py::make_tuple(wrap(loss), wrap(loss_dtype != at::kFloat ? outs[1].to(loss_dtype) : outs[1]));
+  return ce_result(outs[0], outs[1], loss_dtype, return_z);
 }
 
 // fused_linear_scaled_cross_entropy(x, weight, target, bias, inverse_temperature, return_entropy, ignore_index,
