@@ -7,7 +7,8 @@ At 8192x4096->128256 bf16, for ``fused_linear_cross_entropy`` (mean) and ``fused
 turned off in-process): host ms (``lck_runtime.benchmarking.host_ms``: the GPU kept busy) of the forward alone
 and of forward+backward, beside torch's ``F.cross_entropy(x @ w.T)``; then the CPU-side operator table of
 ``torch.profiler`` for one C++-path forward+backward of each op (ATen ops and CUDA runtime calls by self CPU
-time). Prints both and writes ``host-linear-ce-<gpu>-<date>.json`` with provenance.
+time); then the host ms of forward+backward (C++ path, and torch) by the number of calls timed behind one GPU
+spin (5 to 40; ``host_ms`` answers None where a call waited for the GPU). Prints all and writes ``host-linear-ce-<gpu>-<date>.json`` with provenance.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def main() -> None:
                 lambda f=fwd: torch.autograd.grad(f(), (x, w)), iters=10
             )
     _host.ready = ready
+    queued: dict[str, dict[int, float | None]] = {}
+    for name in ("flce", "torch"):
+        fwd = ops[name]
+        queued[name] = {
+            calls: host_ms(lambda f=fwd: torch.autograd.grad(f(), (x, w)), iters=calls)
+            for calls in (5, 10, 20, 40)
+        }
+        print(f"{name} host ms by calls queued: {queued[name]}", flush=True)
     for k, ms in results.items():
         print(f"{k:<28} {'—' if ms is None else f'{ms:.3f} ms'}", flush=True)
     tables = {}
@@ -72,7 +81,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"host-linear-ce-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
     path.write_text(
-        json.dumps({"provenance": provenance(), "host_ms": results, "profiles": tables}, indent=1)
+        json.dumps(
+            {"provenance": provenance(), "host_ms": results, "host_ms_by_calls": queued, "profiles": tables},
+            indent=1,
+        )
     )
     print("wrote", path)
 

@@ -3,8 +3,8 @@
 A Python ``torch.autograd.Function`` costs the host its Python forward, and its backward runs Python again
 on autograd's device thread, where the interpreter's working set is cold: measured on an H200 (2026-12-02,
 ``benchmarks/host_floor.py``), the RMSNorm backward body took about three times as long there as the same
-code on the calling thread. The ops here are ``torch::autograd::Function``s in C++, or for RMSNorm a
-hand-written backward node (``node.h``: less bookkeeping per call than a Function's), in ``module.cpp`` and each
+code on the calling thread. The ops here are ``torch::autograd::Function``s in C++, or for RMSNorm and cross
+entropy hand-written backward nodes (``node.h``: less bookkeeping per call than a Function's), in ``module.cpp`` and each
 op family's ``csrc/host.h``: they allocate their outputs, look up the launch plan cached per shape and the
 compiled Triton variant cached per argument specialisation (``launcher.h``), and call ``cuLaunchKernel``.
 Python is only consulted the first time a shape or a variant is seen: the plan comes from the family's

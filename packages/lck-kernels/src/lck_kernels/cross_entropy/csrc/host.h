@@ -1,11 +1,11 @@
-// Cross entropy as C++ autograd Functions: the same Triton kernels, launch plans and loss arithmetic as the
-// Python ops (ops.py, launch.py), with no Python on the per-call path.
+// Cross entropy with C++ backward nodes (node.h): the same Triton kernels, launch plans and loss arithmetic as
+// the Python ops (ops.py, launch.py), with no Python on the per-call path.
 //
-// - reduction "sum"/"mean" with grad: CrossEntropyFn, CrossEntropyFunction's twin. Its forward writes the loss
-//   terms and the gradient (into a new buffer, or over the logits with in_place); its backward rescales that
-//   gradient in place by the incoming one.
-// - reduction "none" with grad: CrossEntropyRowsFn, CrossEntropyRowsFunction's twin (each row's lse saved; the
-//   backward writes the gradient, over the logits with in_place).
+// - reduction "sum"/"mean" with grad: CrossEntropyFunction's twin. The forward writes the loss terms and the
+//   gradient (into a new buffer, or over the logits with in_place); CrossEntropyBackward rescales that gradient
+//   in place by the incoming one.
+// - reduction "none" with grad: CrossEntropyRowsFunction's twin (each row's lse saved; CrossEntropyRowsBackward
+//   writes the gradient, over the logits with in_place).
 // - no grad: the forward alone, as cross_entropy_fwd(..., compute_grad=False).
 // finalize_loss is the same finalize kernel (or, for reduction "none", the same ATen ops), so the losses are bit
 // for bit the same.
@@ -17,15 +17,17 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
+#include "../../_host/node.h"
 
 namespace lck_host {
 
@@ -153,10 +155,10 @@ inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, cons
   return CeOut{loss, z, lse, applied};
 }
 
-// ctx's saved tensors, with unpack_saved_gradient's message when one was overwritten since the forward.
-inline torch::autograd::variable_list ce_saved(torch::autograd::AutogradContext* ctx) {
+// A saved tensor, with unpack_saved_gradient's message when it was overwritten since the forward.
+inline at::Tensor ce_unpack(const torch::autograd::SavedVariable& saved) {
   try {
-    return ctx->get_saved_variables();
+    return saved.unpack();
   } catch (const c10::Error& e) {
     if (std::string(e.what()).find("modified by an inplace operation") == std::string::npos) throw;
   }
@@ -169,30 +171,25 @@ inline torch::autograd::variable_list ce_saved(torch::autograd::AutogradContext*
   return {};
 }
 
-// reduction "sum"/"mean": CrossEntropyFunction.
-class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor logits,
-                                                at::Tensor target, std::optional<at::Tensor> weight, CeCall c) {
-    c10::cuda::CUDAGuard guard(logits.device());
-    const int device = logits.get_device();
-    at::Tensor grad = c.in_place ? logits : at::empty(logits.sizes(), logits.options());
-    const at::Tensor w = weight.has_value() ? *weight : at::Tensor();
-    CeOut out = ce_forward(logits, target, w, c, &grad, device);
-    // cross_entropy_fwd_ mutates the logits: bump their version, so that autograd refuses them where
-    // another op saved them.
-    if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();
-    ctx->save_for_backward({grad, out.applied});
-    ctx->mark_non_differentiable({out.z});
-    return {out.loss, out.z};
+// reduction "sum"/"mean": CrossEntropyFunction's backward as a node (node.h): the gradient the forward wrote,
+// rescaled in place by the incoming one.
+struct CrossEntropyBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable grad_, applied_;
+
+  std::string name() const override { return "lck_host::CrossEntropyBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    grad_.reset_data();
+    applied_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ce_saved(ctx);
-    const at::Tensor& grad = saved[0];
-    const at::Tensor& applied = saved[1];
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor grad = ce_unpack(grad_);
+    const at::Tensor applied = ce_unpack(applied_);
     const at::Tensor& g = grads[0];
+    if (!g.defined() || !task_should_compute_output(0)) return {at::Tensor()};
     c10::cuda::CUDAGuard guard(grad.device());
     const int device = grad.get_device();
     const int64_t n = grad.size(0), v = grad.size(1);
@@ -202,46 +199,34 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     // cross_entropy_rescale_ mutates both: a second backward over a retained graph then refuses them.
     grad.unsafeGetTensorImpl()->bump_version();
     applied.unsafeGetTensorImpl()->bump_version();
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad};
   }
 };
 
-// reduction "none": CrossEntropyRowsFunction.
-class CrossEntropyRowsFn : public torch::autograd::Function<CrossEntropyRowsFn> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor logits,
-                                                at::Tensor target, std::optional<at::Tensor> weight, CeCall c) {
-    c10::cuda::CUDAGuard guard(logits.device());
-    const int device = logits.get_device();
-    const at::Tensor w = weight.has_value() ? *weight : at::Tensor();
-    CeOut out = ce_forward(logits, target, w, c, nullptr, device);
-    ctx->save_for_backward({logits, target, w, out.lse});
-    ctx->saved_data["ignore_index"] = c.ignore_index;
-    ctx->saved_data["eps"] = c.eps;
-    ctx->saved_data["z_scale"] = c.z_scale;
-    ctx->saved_data["softcap"] = c.softcap;
-    ctx->saved_data["flags"] = c.flags() | (int64_t(c.in_place) << 4);
-    ctx->mark_non_differentiable({out.z});
-    return {out.loss, out.z};
+// reduction "none": CrossEntropyRowsFunction's backward as a node (each row's lse saved; the backward writes
+// the gradient, over the logits with in_place).
+struct CrossEntropyRowsBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable logits_, target_, weight_, lse_;
+  CeCall c;  // reduction 0
+
+  std::string name() const override { return "lck_host::CrossEntropyRowsBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    logits_.reset_data();
+    target_.reset_data();
+    weight_.reset_data();
+    lse_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ce_saved(ctx);
-    const at::Tensor& logits = saved[0];
-    const at::Tensor& target = saved[1];
-    const at::Tensor& weight = saved[2];
-    const at::Tensor& lse = saved[3];
-    CeCall c;
-    c.ignore_index = ctx->saved_data["ignore_index"].toInt();
-    c.eps = ctx->saved_data["eps"].toDouble();
-    c.z_scale = ctx->saved_data["z_scale"].toDouble();
-    c.softcap = ctx->saved_data["softcap"].toDouble();
-    const int64_t flags = ctx->saved_data["flags"].toInt();
-    c.has_weight = flags & 1, c.smooth = flags & 2, c.has_z = flags & 4, c.has_softcap = flags & 8;
-    c.in_place = flags & 16;
-    c.reduction = 0;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor logits = ce_unpack(logits_);
+    const at::Tensor target = ce_unpack(target_);
+    const at::Tensor weight = ce_unpack(weight_);
+    const at::Tensor lse = ce_unpack(lse_);
     const at::Tensor& g = grads[0];
+    if (!g.defined() || !task_should_compute_output(0)) return {at::Tensor()};
     c10::cuda::CUDAGuard guard(logits.device());
     const int device = logits.get_device();
     const int64_t n = logits.size(0), v = logits.size(1);
@@ -253,9 +238,44 @@ class CrossEntropyRowsFn : public torch::autograd::Function<CrossEntropyRowsFn> 
            ptr(target), ptr(w), ptr(red), ptr(lse), ptr(lse), ptr(g), i(g.dim() == 1 ? g.stride(0) : 0), ptr(lse),
            i(0), ptr(lse), i(0), i(n), i(v), i(c.ignore_index), f(c.eps), f(c.z_scale), f(1.0), f(c.softcap));
     if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();  // cross_entropy_bwd_ mutates the logits
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad};
   }
 };
+
+// The forward with a gradient: the loss terms (and for sum/mean the gradient, into a new buffer or over the
+// logits with in_place) and the backward node recorded on the loss. The z-loss carries no history (not
+// differentiable, as torch's mark_non_differentiable leaves it).
+inline std::pair<at::Tensor, at::Tensor> ce_forward_with_grad(const at::Tensor& logits, const at::Tensor& target,
+                                                               const at::Tensor& weight, const CeCall& c) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const int device = logits.get_device();
+  NodePtr node;
+  if (c.reduction == 0) {
+    CeOut out = ce_forward(logits, target, weight, c, nullptr, device);
+    node = make_node<CrossEntropyRowsBackward>();
+    CrossEntropyRowsBackward* b = node_as<CrossEntropyRowsBackward>(node);
+    b->logits_ = torch::autograd::SavedVariable(logits, false);
+    b->target_ = torch::autograd::SavedVariable(target, false);
+    b->weight_ = torch::autograd::SavedVariable(weight, false);
+    b->lse_ = torch::autograd::SavedVariable(out.lse, false);
+    b->c = c;
+    node->set_next_edges(torch::autograd::collect_next_edges(logits));
+    torch::autograd::set_history(out.loss, node);
+    return {out.loss, out.z};
+  }
+  at::Tensor grad = c.in_place ? logits : at::empty(logits.sizes(), logits.options());
+  CeOut out = ce_forward(logits, target, weight, c, &grad, device);
+  // cross_entropy_fwd_ mutates the logits: bump their version (before saving them as the gradient buffer), so
+  // that autograd refuses them where another op saved them.
+  if (c.in_place) logits.unsafeGetTensorImpl()->bump_version();
+  node = make_node<CrossEntropyBackward>();
+  CrossEntropyBackward* b = node_as<CrossEntropyBackward>(node);
+  b->grad_ = torch::autograd::SavedVariable(grad, false);
+  b->applied_ = torch::autograd::SavedVariable(out.applied, false);
+  node->set_next_edges(torch::autograd::collect_next_edges(logits));
+  torch::autograd::set_history(out.loss, node);
+  return {out.loss, out.z};
+}
 
 // A Python int (not a bool) that fits int64, as check_loss_options accepts for ignore_index.
 inline bool ce_int(py::handle h, int64_t* out) {
@@ -356,9 +376,7 @@ inline py::object cross_entropy_entry(py::handle logits_h, py::handle target_h, 
     CeOut out = ce_forward(logits, target, w, c, nullptr, device);
     loss = out.loss, z = out.z;
   } else {
-    auto outs = c.reduction == 0 ? CrossEntropyRowsFn::apply(logits, target, weight, c)
-                                 : CrossEntropyFn::apply(logits, target, weight, c);
-    loss = outs[0], z = outs[1];
+    std::tie(loss, z) = ce_forward_with_grad(logits, target, weight.has_value() ? *weight : at::Tensor(), c);
   }
   return ce_result(loss, z, loss_dtype, return_z);
 }
@@ -373,7 +391,7 @@ inline void bind_cross_entropy(py::module& m) {
     p.bwd.reset(std::move(bwd));
     p.rescale.reset(std::move(rescale));
   });
-  m.def("cross_entropy", &cross_entropy_entry, "cross entropy through the C++ autograd Functions, or None");
+  m.def("cross_entropy", &cross_entropy_entry, "cross entropy with C++ backward nodes, or None");
 }
 
 }  // namespace lck_host

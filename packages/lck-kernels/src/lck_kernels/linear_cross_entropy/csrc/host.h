@@ -1,4 +1,4 @@
-// Fused linear cross entropy (plain and scaled) as C++ autograd Functions, for the schedule that finishes every
+// Fused linear cross entropy (plain and scaled) with C++ autograd, for the schedule that finishes every
 // gradient in the forward (reduction "sum"/"mean" with an input needing a gradient): the twins of ops.py's
 // FusedLinearCrossEntropyFunction and FusedLinearScaledCrossEntropyFunction over launch.py's forward_chunked,
 // with no Python on the per-call path.
@@ -8,6 +8,8 @@
 //   of launch.py's _logits and _accumulate_grads, in the same order with the same operands, so cuBLAS gives the
 //   same bits; the row kernel runs at the plan launch_fwd would use for that chunk; the loss is finished by
 //   ce_finalize, finalize_loss's twin.
+// - autograd: the plain op records a backward node (node.h), the scaled op, whose three outputs are all
+//   differentiable, a torch::autograd::Function.
 // - backward: launch_rescale_flat (the factor kernel, then the rescale kernel over each gradient buffer), and
 //   for the scaled op's lse/entropy outputs, when they receive a gradient, the recompute backward, which stays
 //   in Python (launch.py's host_plans hands it over; the backward takes the GIL for it).
@@ -24,12 +26,15 @@
 
 #include <algorithm>
 #include <array>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
+#include "../../_host/node.h"
 #include "../../cross_entropy/csrc/host.h"
 
 namespace lck_host {
@@ -170,13 +175,8 @@ inline void lce_rescale(const std::array<at::Tensor, 3>& buffers, const at::Tens
   applied.unsafeGetTensorImpl()->bump_version();
 }
 
-// ctx's saved tensors, with unpack_saved_gradient's message (naming `op`) when one was overwritten since.
-inline torch::autograd::variable_list lce_saved(torch::autograd::AutogradContext* ctx, const char* op) {
-  try {
-    return ctx->get_saved_variables();
-  } catch (const c10::Error& e) {
-    if (std::string(e.what()).find("modified by an inplace operation") == std::string::npos) throw;
-  }
+// The message of a saved buffer overwritten since the forward (unpack_saved_gradient's), naming `op`.
+inline void lce_overwritten(const char* op) {
   TORCH_CHECK(false, op,
               ": a buffer saved by the forward was modified before this backward. Either backward ran a second "
               "time over the same graph (retain_graph=True), which ",
@@ -185,35 +185,62 @@ inline torch::autograd::variable_list lce_saved(torch::autograd::AutogradContext
               "forward for reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
               "in-place op wrote into the inputs ",
               op, " saved after its forward.");
+}
+
+inline bool lce_is_overwritten(const c10::Error& e) {
+  return std::string(e.what()).find("modified by an inplace operation") != std::string::npos;
+}
+
+// ctx's saved tensors, with lce_overwritten's message when one was overwritten since the forward.
+inline torch::autograd::variable_list lce_saved(torch::autograd::AutogradContext* ctx, const char* op) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const c10::Error& e) {
+    if (!lce_is_overwritten(e)) throw;
+  }
+  lce_overwritten(op);
   return {};
 }
 
-// FusedLinearCrossEntropyFunction: outputs (loss, z-loss); the backward rescales the saved gradients in place.
-class FusedLinearCrossEntropyFn : public torch::autograd::Function<FusedLinearCrossEntropyFn> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor x,
-                                                at::Tensor weight, at::Tensor target, std::optional<at::Tensor> bias,
-                                                std::optional<at::Tensor> class_weight, LceCall c) {
-    c10::cuda::CUDAGuard guard(x.device());
-    const int device = x.get_device();
-    LceOut out = lce_forward(x, weight, target, bias.value_or(at::Tensor()), class_weight.value_or(at::Tensor()),
-                             c, device);
-    at::Tensor applied = at::ones({1}, x.options().dtype(at::kFloat));
-    ctx->save_for_backward({out.gx, out.gw, out.gb, applied});
-    ctx->saved_data["needs"] = c.needs();
-    ctx->mark_non_differentiable({out.z});
-    return {out.loss, out.z};
+// One saved tensor, the same way.
+inline at::Tensor lce_unpack(const torch::autograd::SavedVariable& saved, const char* op) {
+  try {
+    return saved.unpack();
+  } catch (const c10::Error& e) {
+    if (!lce_is_overwritten(e)) throw;
+  }
+  lce_overwritten(op);
+  return {};
+}
+
+// FusedLinearCrossEntropyFunction's backward as a node (node.h): the gradients the forward finished, rescaled in
+// place by the loss's incoming gradient. Its edges are x (in its own shape: no view node), weight and bias.
+struct FusedLinearCrossEntropyBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable gx_, gw_, gb_, applied_;
+  std::vector<int64_t> x_sizes;  // x's shape when it is not [N, H]; the gradient buffer is [N, H]
+  int64_t needs = 0;
+
+  std::string name() const override { return "lck_host::FusedLinearCrossEntropyBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gx_.reset_data();
+    gw_.reset_data();
+    gb_.reset_data();
+    applied_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = lce_saved(ctx, "fused_linear_cross_entropy");
-    const at::Tensor &gx = saved[0], &gw = saved[1], &gb = saved[2];
-    c10::cuda::CUDAGuard guard(saved[3].device());
-    lce_rescale({gx, gw, gb}, saved[3], grads[0], saved[3].get_device());
-    const int64_t needs = ctx->saved_data["needs"].toInt();
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    constexpr const char* op = "fused_linear_cross_entropy";
+    at::Tensor gx = lce_unpack(gx_, op), gw = lce_unpack(gw_, op), gb = lce_unpack(gb_, op);
+    const at::Tensor applied = lce_unpack(applied_, op);
     const at::Tensor none;
-    return {needs & 1 ? gx : none, needs & 2 ? gw : none, none, needs & 4 ? gb : none, none, none};
+    if (!grads[0].defined()) return {none, none, none};
+    c10::cuda::CUDAGuard guard(applied.device());
+    lce_rescale({gx, gw, gb}, applied, grads[0], applied.get_device());
+    if ((needs & 1) && !x_sizes.empty()) gx = gx.view(x_sizes);
+    return {needs & 1 ? gx : none, needs & 2 ? gw : none, needs & 4 ? gb : none};
   }
 };
 
@@ -281,14 +308,16 @@ class FusedLinearScaledCrossEntropyFn : public torch::autograd::Function<FusedLi
 
 struct LceInputs {
   at::Tensor x, weight, target;  // x as [N, H] rows and target as [N], as flatten_tokens gives them
+  at::Tensor x_in;               // x as given
   std::optional<at::Tensor> bias;
   int64_t esize = 0;
 };
 
 // flatten_tokens and check_linear_inputs (minus the class weight and the empty case): false for anything they
-// would refuse.
+// would refuse. With record_views false the [N, H] view of x records no autograd view node (for a backward node
+// whose edge is x itself).
 inline bool lce_inputs(py::handle x_h, py::handle weight_h, py::handle target_h, py::handle bias_h,
-                       LceInputs* in) {
+                       bool record_views, LceInputs* in) {
   if (!THPVariable_Check(x_h.ptr()) || !THPVariable_Check(weight_h.ptr()) || !THPVariable_Check(target_h.ptr()))
     return false;
   const at::Tensor& x = THPVariable_Unpack(x_h.ptr());
@@ -309,7 +338,11 @@ inline bool lce_inputs(py::handle x_h, py::handle weight_h, py::handle target_h,
     if (b.device() != x.device()) return false;
     in->bias = b;
   }
-  in->x = x.view({-1, h});
+  {
+    at::AutoGradMode grad_mode(record_views && at::GradMode::is_enabled());
+    in->x = x.view({-1, h});
+  }
+  in->x_in = x;
   in->weight = weight;
   in->target = target.view({-1});
   in->esize = x.element_size();
@@ -326,7 +359,7 @@ inline bool lce_chunk_option(py::handle h, int64_t* out) {
 // The gradients wanted (needs_grads), or false when none is: the Python path's no-grad forward.
 inline bool lce_needs(const LceInputs& in, LceCall* c) {
   const bool on = at::GradMode::is_enabled();
-  c->need_x = on && in.x.requires_grad();
+  c->need_x = on && in.x_in.requires_grad();
   c->need_w = on && in.weight.requires_grad();
   c->need_b = on && in.bias.has_value() && in.bias->requires_grad();
   return c->need_x || c->need_w || c->need_b;
@@ -345,7 +378,7 @@ inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle we
   c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
   LceInputs in;
-  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, false, &in)) return py::none();
   const at::Tensor& x = in.x;
   const int64_t n = x.size(0), v = in.weight.size(0);
   std::optional<at::Tensor> class_weight;
@@ -362,8 +395,27 @@ inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle we
   if (!lce_needs(in, &c)) return py::none();
   c.plan = lce_chunks(n, v, in.esize, x.get_device(), chunk_bytes, max_chunk, c);
   if (c.plan.chunk <= 0) return py::none();  // the split-row or cluster forward: launch.py's own path
-  auto outs = FusedLinearCrossEntropyFn::apply(in.x, in.weight, in.target, in.bias, class_weight, c);
-  return ce_result(outs[0], outs[1], loss_dtype, return_z);
+  const at::Tensor& x_in = in.x_in;
+  const at::Tensor bias = in.bias.value_or(at::Tensor());
+  LceOut out;
+  at::Tensor applied;
+  {
+    at::AutoGradMode no_grad(false);  // ATen's out= GEMMs refuse operands that record a graph
+    c10::cuda::CUDAGuard guard(x.device());
+    out = lce_forward(x, in.weight, in.target, bias, class_weight.value_or(at::Tensor()), c, x.get_device());
+    applied = at::ones({1}, x.options().dtype(at::kFloat));
+  }
+  NodePtr node = make_node<FusedLinearCrossEntropyBackward>();
+  FusedLinearCrossEntropyBackward* b = node_as<FusedLinearCrossEntropyBackward>(node);
+  b->gx_ = torch::autograd::SavedVariable(out.gx, false);
+  b->gw_ = torch::autograd::SavedVariable(out.gw, false);
+  b->gb_ = torch::autograd::SavedVariable(out.gb, false);
+  b->applied_ = torch::autograd::SavedVariable(applied, false);
+  if (x_in.dim() != 2) b->x_sizes = x_in.sizes().vec();
+  b->needs = c.needs();
+  node->set_next_edges(torch::autograd::collect_next_edges(x_in, in.weight, bias));
+  torch::autograd::set_history(out.loss, node);
+  return ce_result(out.loss, out.z, loss_dtype, return_z);
 }
 
 // fused_linear_scaled_cross_entropy(x, weight, target, bias, inverse_temperature, return_entropy, ignore_index,
@@ -377,7 +429,7 @@ inline py::object fused_linear_scaled_cross_entropy_entry(py::handle x_h, py::ha
   c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
   LceInputs in;
-  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, true, &in)) return py::none();
   int64_t chunk_bytes, max_chunk;
   if (!number(inv_t_h, &c.scale) || !(c.scale > 0.0) || !boolean(return_entropy_h, &c.entropy)) return py::none();
   if (!ce_int(ignore_h, &c.ce.ignore_index)) return py::none();
@@ -405,7 +457,7 @@ inline void bind_linear_cross_entropy(py::module& m) {
     p.recompute = std::move(recompute);
   });
   m.def("fused_linear_cross_entropy", &fused_linear_cross_entropy_entry,
-        "fused linear cross entropy through the C++ autograd Function, or None");
+        "fused linear cross entropy with a C++ backward node, or None");
   m.def("fused_linear_scaled_cross_entropy", &fused_linear_scaled_cross_entropy_entry,
         "fused linear scaled cross entropy through the C++ autograd Function, or None");
 }
