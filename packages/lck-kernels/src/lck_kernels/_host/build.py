@@ -54,7 +54,7 @@ def flags() -> list[str]:
 
     root = Path(torch.__file__).resolve().parent
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
-    return [
+    out = [
         "-shared", "-O2", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-I", str(root / "include"), "-I", str(root / "include" / "torch" / "csrc" / "api" / "include"),
@@ -62,6 +62,10 @@ def flags() -> list[str]:
         "-L", str(root / "lib"), f"-Wl,-rpath,{root / 'lib'}",
         "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl",
     ]  # fmt: skip
+    # ATen's CUDA kernels called directly (the fused linear CE's GEMMs) where this torch has them.
+    if (root / "lib" / "libtorch_cuda.so").is_file():
+        out += ["-ltorch_cuda", "-DLCK_HOST_ATEN_CUDA=1"]
+    return out
 
 
 def _key_fields(cxx: str, argv_flags: list[str]) -> dict[str, Any]:

@@ -34,11 +34,22 @@ namespace py = pybind11;
 struct Arg {
   enum Kind : uint8_t { kPtr, kInt, kFloat } kind;
   const at::Tensor* tensor = nullptr;  // kPtr
-  int64_t i = 0;                       // kInt
+  int64_t i = 0;                       // kInt; kPtr: the element offset into a 1-D tensor (ptr_at)
   double f = 0.0;                      // kFloat
+
+  // The address a pointer argument passes.
+  uintptr_t address() const {
+    return reinterpret_cast<uintptr_t>(tensor->data_ptr()) + static_cast<uintptr_t>(i * tensor->element_size());
+  }
 };
 
 inline Arg ptr(const at::Tensor& t) { return Arg{Arg::kPtr, &t, 0, 0.0}; }
+// Element `offset` of a 1-D tensor, as its narrow(0, offset, ...) would pass it, without building that view (a
+// dispatcher call each).
+inline Arg ptr_at(const at::Tensor& t, int64_t offset) {
+  TORCH_CHECK(t.dim() == 1 && offset >= 0 && offset <= t.numel(), "lck host: ptr_at outside a 1-D tensor");
+  return Arg{Arg::kPtr, &t, offset, 0.0};
+}
 inline Arg i(int64_t v) { return Arg{Arg::kInt, nullptr, v, 0.0}; }
 inline Arg f(double v) { return Arg{Arg::kFloat, nullptr, 0, v}; }
 
@@ -100,7 +111,7 @@ void variant_key(int device, const std::array<Arg, N>& args, std::string& key) {
   for (const Arg& a : args) {
     switch (a.kind) {
       case Arg::kPtr: {
-        const auto addr = reinterpret_cast<uintptr_t>(a.tensor->data_ptr());
+        const uintptr_t addr = a.address();
         key.push_back(static_cast<char>(a.tensor->scalar_type()));
         key.push_back(static_cast<char>((addr & 15) == 0 ? 'A' : 'u'));
         break;
@@ -126,7 +137,7 @@ py::tuple py_args(const std::array<Arg, N>& args) {
   for (size_t k = 0; k < N; ++k) {
     const Arg& a = args[k];
     if (a.kind == Arg::kPtr)
-      out[k] = py::cast(*a.tensor);
+      out[k] = py::cast(a.i == 0 ? *a.tensor : a.tensor->narrow(0, a.i, a.tensor->size(0) - a.i));
     else if (a.kind == Arg::kInt)
       out[k] = py::int_(a.i);
     else
@@ -192,7 +203,7 @@ void launch_args(int slot, std::array<unsigned, 3> grid, int device, const std::
       case kDropped:
         continue;
       case kP64: {
-        const uint64_t p = reinterpret_cast<uint64_t>(a.tensor->data_ptr());
+        const uint64_t p = a.address();
         std::memcpy(slot_ptr, &p, 8);
         break;
       }

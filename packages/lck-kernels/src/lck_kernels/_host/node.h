@@ -42,6 +42,16 @@ N* node_as(const NodePtr& p) {
   return static_cast<N*>(p.get());
 }
 
+// The node's own pointer, for SavedVariable::unpack of a saved output (which needs the node it was saved for).
+template <class N>
+NodePtr self_ptr(N* n) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return n->shared_from_this();
+  } else {
+    return n->getptr();
+  }
+}
+
 // Whether a forward-mode gradient rides on `t` (the C++ nodes have no forward-mode formula: such calls go
 // to the Python Functions, which raise torch's own error).
 inline bool has_fw_grad(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }

@@ -8,8 +8,7 @@
 //   of launch.py's _logits and _accumulate_grads, in the same order with the same operands, so cuBLAS gives the
 //   same bits; the row kernel runs at the plan launch_fwd would use for that chunk; the loss is finished by
 //   ce_finalize, finalize_loss's twin.
-// - autograd: the plain op records a backward node (node.h), the scaled op, whose three outputs are all
-//   differentiable, a torch::autograd::Function.
+// - autograd: each op records a backward node (node.h) whose edge goes to x itself (no view node).
 // - backward: launch_rescale_flat (the factor kernel, then the rescale kernel over each gradient buffer), and
 //   for the scaled op's lse/entropy outputs, when they receive a gradient, the recompute backward, which stays
 //   in Python (launch.py's host_plans hands it over; the backward takes the GIL for it).
@@ -20,8 +19,11 @@
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
+#if LCK_HOST_ATEN_CUDA
+#include <ATen/ops/addmm_cuda_dispatch.h>
+#include <ATen/ops/mm_cuda_dispatch.h>
+#endif
 #include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -32,6 +34,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../../_host/alias.h"
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
 #include "../../_host/node.h"
@@ -101,8 +104,43 @@ struct LceOut {
   at::Tensor loss, z, lse, entropy, gx, gw, gb;
 };
 
+// The GEMMs of _logits and _accumulate_grads. CUDA tensors take ATen's CUDA kernels directly (at::cuda::, the
+// function the dispatcher would reach: the same cuBLAS call and bits, without the dispatcher's layers) where the
+// build links them (LCK_HOST_ATEN_CUDA); the interpreted CPU harness takes the dispatcher. (The device is tested
+// by type: the harness redefines is_cuda.)
+inline bool lce_on_cuda(const at::Tensor& t) {
+#if LCK_HOST_ATEN_CUDA
+  return t.device().type() == c10::DeviceType::CUDA;
+#else
+  return false;
+#endif
+}
+
+inline void lce_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (lce_on_cuda(out))
+    at::cuda::mm_out(out, a, b);
+  else
+    at::mm_out(out, a, b);
+}
+
+inline void lce_addmm_out(at::Tensor& out, const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+  if (lce_on_cuda(out))
+    at::cuda::addmm_out(out, bias, a, b);
+  else
+    at::addmm_out(out, bias, a, b);
+}
+
+inline void lce_addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b) {
+  if (lce_on_cuda(self))
+    at::cuda::addmm_(self, a, b);
+  else
+    self.addmm_(a, b);
+}
+
 // forward_chunked with needs (through _run_with_grads and run_chunks without overlap): the loss, z-loss, per-row
-// lse and entropy (empty unless asked for) and the gradients of the reduced loss (unneeded ones empty).
+// lse and entropy (empty unless asked for) and the gradients of the reduced loss (unneeded ones empty). Runs with
+// autograd off (the caller's guard). The GEMM operands are aliases (alias.h) and the row kernel's per-row vectors
+// offsets into them (ptr_at): the same operands as the Python loop's narrow views, with no dispatcher call each.
 inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
                           const at::Tensor& bias, const at::Tensor& class_weight, const LceCall& c, int device) {
   const CeCall& ce = c.ce;
@@ -118,36 +156,37 @@ inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const a
   at::Tensor gw = c.need_w ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, weight.options());
   at::Tensor gb32 = c.need_b ? at::zeros({v}, f32) : at::empty({0}, f32);  // no fill call when unused
   at::Tensor buf = at::empty({std::min(chunk, n), v}, x.options());
-  const at::Tensor wt = weight.t();
+  const at::Tensor wt = t_alias(weight);
+  // Absent per-row vectors point at the chunk's lse rows, as launch_fwd passes them.
+  const at::Tensor& zl_v = ce.has_z ? zl : lse;
+  const at::Tensor& ent_v = c.entropy ? ent : lse;
+  const bool cw = ce.has_weight;
   for (int64_t s = 0; s < n; s += chunk) {
     const int64_t e = std::min(n, s + chunk), m = e - s;
-    at::Tensor logits = buf.narrow(0, 0, m);
-    at::Tensor x_c = x.narrow(0, s, m);
+    at::Tensor logits = rows_alias(buf, 0, m);
+    const at::Tensor x_c = rows_alias(x, s, m);
     // _logits
     if (bias.defined())
-      at::addmm_out(logits, bias, x_c, wt);
+      lce_addmm_out(logits, bias, x_c, wt);
     else
-      at::mm_out(logits, x_c, wt);
-    // launch_fwd with grad = logits: the same arguments, absent ones pointing at the chunk's lse rows.
-    at::Tensor t_c = target.narrow(0, s, m), rows_c = rows.narrow(0, s, m), lse_c = lse.narrow(0, s, m);
-    at::Tensor applied_c = applied.narrow(0, s, m);
-    at::Tensor zl_c = ce.has_z ? zl.narrow(0, s, m) : lse_c;
-    at::Tensor ent_c = c.entropy ? ent.narrow(0, s, m) : lse_c;
-    const at::Tensor& w_c = ce.has_weight ? class_weight : lse_c;
+      lce_mm_out(logits, x_c, wt);
+    // launch_fwd with grad = logits: the loss+gradient row kernel over the chunk's rows.
     const CeLaunch& k = m == chunk ? c.plan.full : c.plan.tail;
     launch(k.slot, {k.grid, 1, 1}, device, ptr(logits), i(logits.stride(0)), ptr(logits), i(logits.stride(0)),
-           ptr(t_c), ptr(w_c), ptr(red), ptr(rows_c), ptr(zl_c), ptr(lse_c), ptr(ent_c), ptr(applied_c), i(m),
-           i(v), i(ce.ignore_index), f(ce.eps), f(ce.z_scale), f(c.scale), f(ce.softcap));
+           ptr_at(target, s), cw ? ptr(class_weight) : ptr_at(lse, s), ptr(red), ptr_at(rows, s), ptr_at(zl_v, s),
+           ptr_at(lse, s), ptr_at(ent_v, s), ptr_at(applied, s), i(m), i(v), i(ce.ignore_index), f(ce.eps),
+           f(ce.z_scale), f(c.scale), f(ce.softcap));
     // _accumulate_grads (the logits buffer now holds their gradient)
     if (c.need_x) {
-      at::Tensor gx_c = gx.narrow(0, s, m);
-      at::mm_out(gx_c, logits, weight);
+      at::Tensor gx_c = rows_alias(gx, s, m);
+      lce_mm_out(gx_c, logits, weight);
     }
     if (c.need_w) {
+      const at::Tensor lt = t_alias(logits);
       if (s == 0)  // no zero fill of a V×H buffer: the first chunk writes it
-        at::mm_out(gw, logits.t(), x_c);
+        lce_mm_out(gw, lt, x_c);
       else
-        gw.addmm_(logits.t(), x_c);
+        lce_addmm_(gw, lt, x_c);
     }
     if (c.need_b) gb32.add_(at::sum(logits, at::IntArrayRef{0}, false, at::kFloat));
   }
@@ -191,21 +230,11 @@ inline bool lce_is_overwritten(const c10::Error& e) {
   return std::string(e.what()).find("modified by an inplace operation") != std::string::npos;
 }
 
-// ctx's saved tensors, with lce_overwritten's message when one was overwritten since the forward.
-inline torch::autograd::variable_list lce_saved(torch::autograd::AutogradContext* ctx, const char* op) {
+// A saved tensor, with lce_overwritten's message when it was overwritten since the forward.
+inline at::Tensor lce_unpack(const torch::autograd::SavedVariable& saved, const char* op,
+                             NodePtr saved_for = nullptr) {
   try {
-    return ctx->get_saved_variables();
-  } catch (const c10::Error& e) {
-    if (!lce_is_overwritten(e)) throw;
-  }
-  lce_overwritten(op);
-  return {};
-}
-
-// One saved tensor, the same way.
-inline at::Tensor lce_unpack(const torch::autograd::SavedVariable& saved, const char* op) {
-  try {
-    return saved.unpack();
+    return saved.unpack(std::move(saved_for));
   } catch (const c10::Error& e) {
     if (!lce_is_overwritten(e)) throw;
   }
@@ -244,61 +273,57 @@ struct FusedLinearCrossEntropyBackward : torch::autograd::Node {
   }
 };
 
-// FusedLinearScaledCrossEntropyFunction: outputs (nll, lse, entropy), all differentiable; the backward rescales
-// the saved gradients of the reduced nll and adds the recompute backward's for lse/entropy when they get one.
-class FusedLinearScaledCrossEntropyFn : public torch::autograd::Function<FusedLinearScaledCrossEntropyFn> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::Tensor x,
-                                                at::Tensor weight, at::Tensor target, std::optional<at::Tensor> bias,
-                                                LceCall c) {
-    c10::cuda::CUDAGuard guard(x.device());
-    const int device = x.get_device();
-    const at::Tensor b = bias.value_or(at::Tensor());
-    LceOut out = lce_forward(x, weight, target, b, at::Tensor(), c, device);
-    at::Tensor applied = at::ones({1}, x.options().dtype(at::kFloat));
-    ctx->save_for_backward({x, weight, target, b, out.lse, out.entropy, out.gx, out.gw, out.gb, applied});
-    ctx->saved_data["ignore_index"] = c.ce.ignore_index;
-    ctx->saved_data["scale"] = c.scale;
-    ctx->saved_data["reduction"] = int64_t(c.ce.reduction);
-    ctx->saved_data["needs"] = c.needs() | (int64_t(c.entropy) << 3);
-    ctx->saved_data["chunk"] = c.plan.chunk;
-    ctx->set_materialize_grads(false);  // an output nobody differentiates costs nothing in the backward
-    return {out.loss, out.lse, out.entropy};
+// FusedLinearScaledCrossEntropyFunction's backward as a node: outputs nll, lse (and entropy), all differentiable.
+// It rescales the gradients of the reduced nll the forward finished and adds the recompute backward's for lse and
+// entropy when they get one. Its edges are x (in its own shape), weight and bias.
+struct FusedLinearScaledCrossEntropyBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable x_, weight_, target_, bias_, lse_, entropy_, gx_, gw_, gb_, applied_;
+  std::vector<int64_t> x_sizes;  // x's shape when it is not [N, H]
+  int64_t ignore_index = -100, reduction = 2, needs = 0, chunk = 0;
+  double scale = 1.0;
+  bool entropy = false;
+
+  std::string name() const override { return "lck_host::FusedLinearScaledCrossEntropyBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* v : {&x_, &weight_, &target_, &bias_, &lse_, &entropy_, &gx_, &gw_, &gb_, &applied_}) v->reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = lce_saved(ctx, "fused_linear_scaled_cross_entropy");
-    const at::Tensor &x = saved[0], &weight = saved[1], &target = saved[2], &bias = saved[3];
-    const at::Tensor &lse = saved[4], &entropy = saved[5], &applied = saved[9];
-    const int64_t needs = ctx->saved_data["needs"].toInt();
-    const bool ent = needs & 8;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    constexpr const char* op = "fused_linear_scaled_cross_entropy";
     const at::Tensor none;
     std::array<at::Tensor, 3> out;
-    c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor applied = lce_unpack(applied_, op);
+    c10::cuda::CUDAGuard guard(applied.device());
     if (grads[0].defined()) {
-      out = {saved[6], saved[7], saved[8]};
-      lce_rescale(out, applied, grads[0], x.get_device());
+      out = {lce_unpack(gx_, op), lce_unpack(gw_, op), lce_unpack(gb_, op)};
+      lce_rescale(out, applied, grads[0], applied.get_device());
     }
     const at::Tensor& g_lse = grads[1];
-    const at::Tensor g_ent = ent ? grads[2] : none;
+    const at::Tensor g_ent = entropy ? grads[2] : none;
     if (g_lse.defined() || g_ent.defined()) {
+      const at::Tensor x = lce_unpack(x_, op), weight = lce_unpack(weight_, op);
+      const at::Tensor target = lce_unpack(target_, op), bias = lce_unpack(bias_, op);
+      // lse and entropy are this node's outputs: unpacking them names the node.
+      const at::Tensor lse = lce_unpack(lse_, op, self_ptr(this));
+      const at::Tensor ent = entropy ? lce_unpack(entropy_, op, self_ptr(this)) : none;
       std::array<at::Tensor, 3> extra;
       {
         py::gil_scoped_acquire gil;
         auto opt = [](const at::Tensor& t) -> py::object { return t.defined() ? wrap(t) : py::none(); };
-        const int64_t reduction = ctx->saved_data["reduction"].toInt();
         py::object result = lce_plans().recompute(
-            wrap(x), wrap(weight), wrap(target), opt(bias), wrap(lse), ent ? wrap(entropy) : py::none(), opt(g_lse),
-            opt(g_ent), ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["scale"].toDouble(),
-            reduction == 1 ? "sum" : "mean", bool(needs & 1), bool(needs & 2), bool(needs & 4),
-            ctx->saved_data["chunk"].toInt());
+            wrap(x), wrap(weight), wrap(target), opt(bias), wrap(lse), opt(ent), opt(g_lse), opt(g_ent),
+            ignore_index, scale, reduction == 1 ? "sum" : "mean", bool(needs & 1), bool(needs & 2),
+            bool(needs & 4), chunk);
         auto t = result.cast<py::tuple>();
         for (size_t k = 0; k < 3; ++k) extra[k] = THPVariable_Unpack(t[k].ptr());
       }
       for (size_t k = 0; k < 3; ++k) out[k] = out[k].defined() ? out[k] + extra[k] : extra[k];
     }
-    return {needs & 1 ? out[0] : none, needs & 2 ? out[1] : none, none, needs & 4 ? out[2] : none, none};
+    if ((needs & 1) && out[0].defined() && !x_sizes.empty()) out[0] = out[0].view(x_sizes);
+    return {needs & 1 ? out[0] : none, needs & 2 ? out[1] : none, needs & 4 ? out[2] : none};
   }
 };
 
@@ -314,10 +339,9 @@ struct LceInputs {
 };
 
 // flatten_tokens and check_linear_inputs (minus the class weight and the empty case): false for anything they
-// would refuse. With record_views false the [N, H] view of x records no autograd view node (for a backward node
-// whose edge is x itself).
+// would refuse. The [N, H] view of x records no autograd view node: the backward nodes' edge is x itself.
 inline bool lce_inputs(py::handle x_h, py::handle weight_h, py::handle target_h, py::handle bias_h,
-                       bool record_views, LceInputs* in) {
+                       LceInputs* in) {
   if (!THPVariable_Check(x_h.ptr()) || !THPVariable_Check(weight_h.ptr()) || !THPVariable_Check(target_h.ptr()))
     return false;
   const at::Tensor& x = THPVariable_Unpack(x_h.ptr());
@@ -339,7 +363,7 @@ inline bool lce_inputs(py::handle x_h, py::handle weight_h, py::handle target_h,
     in->bias = b;
   }
   {
-    at::AutoGradMode grad_mode(record_views && at::GradMode::is_enabled());
+    at::AutoGradMode no_grad(false);
     in->x = x.view({-1, h});
   }
   in->x_in = x;
@@ -378,7 +402,7 @@ inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle we
   c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
   LceInputs in;
-  if (!lce_inputs(x_h, weight_h, target_h, bias_h, false, &in)) return py::none();
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
   const at::Tensor& x = in.x;
   const int64_t n = x.size(0), v = in.weight.size(0);
   std::optional<at::Tensor> class_weight;
@@ -429,7 +453,7 @@ inline py::object fused_linear_scaled_cross_entropy_entry(py::handle x_h, py::ha
   c.ce.reduction = choice(reduction_h, {"none", "sum", "mean"});
   if (c.ce.reduction < 1) return py::none();  // "none" takes the recompute schedule
   LceInputs in;
-  if (!lce_inputs(x_h, weight_h, target_h, bias_h, true, &in)) return py::none();
+  if (!lce_inputs(x_h, weight_h, target_h, bias_h, &in)) return py::none();
   int64_t chunk_bytes, max_chunk;
   if (!number(inv_t_h, &c.scale) || !(c.scale > 0.0) || !boolean(return_entropy_h, &c.entropy)) return py::none();
   if (!ce_int(ignore_h, &c.ce.ignore_index)) return py::none();
@@ -439,14 +463,48 @@ inline py::object fused_linear_scaled_cross_entropy_entry(py::handle x_h, py::ha
   const int64_t n = in.x.size(0), v = in.weight.size(0);
   c.plan = lce_chunks(n, v, in.esize, in.x.get_device(), chunk_bytes, max_chunk, c);
   if (c.plan.chunk <= 0) return py::none();
-  auto outs = FusedLinearScaledCrossEntropyFn::apply(in.x, in.weight, in.target, in.bias, c);
+  const at::Tensor& x_in = in.x_in;
+  const at::Tensor bias = in.bias.value_or(at::Tensor());
+  LceOut out;
+  at::Tensor applied;
+  {
+    at::AutoGradMode no_grad(false);  // ATen's out= GEMMs refuse operands that record a graph
+    c10::cuda::CUDAGuard guard(x_in.device());
+    out = lce_forward(in.x, in.weight, in.target, bias, at::Tensor(), c, x_in.get_device());
+    applied = at::ones({1}, in.x.options().dtype(at::kFloat));
+  }
+  NodePtr node = make_node<FusedLinearScaledCrossEntropyBackward>();
+  auto* b = node_as<FusedLinearScaledCrossEntropyBackward>(node);
+  node->set_next_edges(torch::autograd::collect_next_edges(x_in, in.weight, bias));
+  if (c.entropy)
+    torch::autograd::set_history(std::vector<at::Tensor>{out.loss, out.lse, out.entropy}, node);
+  else
+    torch::autograd::set_history(std::vector<at::Tensor>{out.loss, out.lse}, node);
+  using torch::autograd::SavedVariable;
+  b->x_ = SavedVariable(in.x, false);  // the [N, H] rows, as the recompute backward takes them
+  b->weight_ = SavedVariable(in.weight, false);
+  b->target_ = SavedVariable(in.target, false);
+  b->bias_ = SavedVariable(bias, false);
+  b->lse_ = SavedVariable(out.lse, true);
+  if (c.entropy) b->entropy_ = SavedVariable(out.entropy, true);
+  b->gx_ = SavedVariable(out.gx, false);
+  b->gw_ = SavedVariable(out.gw, false);
+  b->gb_ = SavedVariable(out.gb, false);
+  b->applied_ = SavedVariable(applied, false);
+  if (x_in.dim() != 2) b->x_sizes = x_in.sizes().vec();
+  b->ignore_index = c.ce.ignore_index;
+  b->reduction = c.ce.reduction;
+  b->needs = c.needs();
+  b->chunk = c.plan.chunk;
+  b->scale = c.scale;
+  b->entropy = c.entropy;
   // lse and entropy of ignored tokens are zeroed (and so are their gradients), as the public function does.
   const at::Tensor& target = THPVariable_Unpack(target_h.ptr());
   at::Tensor valid = in.target.ne(c.ce.ignore_index);
-  at::Tensor lse = at::where(valid, outs[1], 0.0).view(target.sizes());
-  if (!c.entropy) return py::make_tuple(wrap(outs[0]), wrap(lse));
-  at::Tensor entropy = at::where(valid, outs[2], 0.0).view(target.sizes());
-  return py::make_tuple(wrap(outs[0]), wrap(lse), wrap(entropy));
+  at::Tensor lse = at::where(valid, out.lse, 0.0).view(target.sizes());
+  if (!c.entropy) return py::make_tuple(wrap(out.loss), wrap(lse));
+  at::Tensor entropy = at::where(valid, out.entropy, 0.0).view(target.sizes());
+  return py::make_tuple(wrap(out.loss), wrap(lse), wrap(entropy));
 }
 
 inline void bind_linear_cross_entropy(py::module& m) {
@@ -459,7 +517,7 @@ inline void bind_linear_cross_entropy(py::module& m) {
   m.def("fused_linear_cross_entropy", &fused_linear_cross_entropy_entry,
         "fused linear cross entropy with a C++ backward node, or None");
   m.def("fused_linear_scaled_cross_entropy", &fused_linear_scaled_cross_entropy_entry,
-        "fused linear scaled cross entropy through the C++ autograd Function, or None");
+        "fused linear scaled cross entropy with a C++ backward node, or None");
 }
 
 }  // namespace lck_host
