@@ -160,9 +160,19 @@ def _linear_cross_entropy(rows: int, hidden: int, vocab: int, scaled: bool = Fal
     return steps
 
 
+def _autograd_floor(rows: int, hidden: int) -> dict[str, Step]:
+    """One elementwise torch op (``x * 2``) forward+backward through ``torch.autograd.grad``: the host cost of
+    autograd.grad itself (its graph task and the hand-offs to and from autograd's device thread) plus one launch
+    each way, which any op's fwd+bwd measured this way pays. Where it is near an op's GPU time, that op's loop
+    time cannot stay within 1.15x of its GPU time, whatever the op's own host cost."""
+    x, dy = _t(rows, hidden), _t(rows, hidden, grad=False)
+    return {"torch": lambda: torch.autograd.grad(x * 2, x, dy)}
+
+
 def _cases(quick: bool) -> list[tuple[str, str, Callable[[], dict[str, Step]]]]:
-    """(op, shape, steps) at the shapes of issue 28 first, then the README's."""
+    """(op, shape, steps) at the shapes of issue 28 first, then the README's; first of all the autograd floor."""
     cases = [
+        ("autograd_floor x*2", "8192x4096", lambda: _autograd_floor(8192, 4096)),
         ("rms_norm", "8192x4096", lambda: _rms_norm(8192, 4096)),
         ("rms_norm", "4096x2048", lambda: _rms_norm(4096, 2048)),
         ("swiglu", "8192x14336", lambda: _swiglu(8192, 14336)),

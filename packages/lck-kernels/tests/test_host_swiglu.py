@@ -1,16 +1,17 @@
 """SwiGLU's C++ host path (``swiglu/csrc/host.h``): the same numbers as the Python Functions, from C++.
 
-On a GPU: ``swiglu`` and ``swiglu_packed`` (which take the C++ autograd Functions in plain eager calls)
+On a GPU: ``swiglu`` and ``swiglu_packed`` (which take the C++ backward nodes in plain eager calls)
 against the Python ``SwiGLUFunction`` / ``SwiGLUPackedFunction`` on the same inputs, bit for bit, outputs and
 gradients, over dtypes, 2-D and 3-D shapes, odd widths, zero rows (which the Python op takes), column-slice
 and misaligned inputs, non-contiguous gradients and the packed in-place backward (gradient written into the
 buffer, version bump, second-backward guard); the launches counted as made from C++, and a repeated call
 making none through Python. Arguments the entries refuse answer None (and the Python errors still raise).
 On CPU: the plans handed to C++ give launch.py's grids, CPU tensors never reach the host path, and (under
-``TRITON_INTERPRET=1``) the header's autograd Functions, compiled with a stand-in for the kernel launch that
-logs its arguments and computes with torch ops, make exactly the launches the Python Functions make (slot,
-grid, tensor shapes, strides, dtypes and aliasing, integers) and the same outputs, gradients, version bumps
-and in-place buffer reuse.
+``TRITON_INTERPRET=1``) the header's entries and backward nodes, compiled with their launches handed to the
+Triton interpreter, give the Python Functions' outputs and gradients bit for bit (column slices, unit
+dimensions, expanded and non-contiguous gradients, the in-place packed backward with its version bump and
+buffer reuse), and keep the autograd contract (second backward refused, modified inputs refused, no graph
+under no_grad, forward AD left to Python).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _device import gpu
-from _host_harness import load_harness
+from _host_harness import assert_bits_equal, harness_slots, interpreted_harness
 
 import lck_kernels as L
 from lck_kernels import _host
@@ -36,7 +37,7 @@ def _randn(shape, dtype, g, scale=3.0):
 
 
 def _via_host(t: torch.Tensor) -> bool:
-    # A C++ Function's node is torch::autograd::CppNode<lck_host::...Fn>; the Python ones end in "Backward".
+    # The C++ nodes are named lck_host::...; the Python Functions' nodes carry no namespace.
     return t.grad_fn is not None and "lck_host::" in t.grad_fn.name()
 
 
@@ -331,139 +332,17 @@ def test_cpu_tensors_never_reach_the_host_path(monkeypatch: pytest.MonkeyPatch) 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CPU: host.h's Functions with the launch stood in for (no GPU needed)
+# CPU: host.h's entries and nodes with their launches interpreted (no GPU needed)
 # ---------------------------------------------------------------------------------------------------------
-
-# launch_args<8> / launch_args<12> (the forward and backward kernels' runtime arguments) specialised before host.h is
-# included: log (slot, grid, args) and compute with torch ops, bumping no version (as a kernel launch); the
-# CUDA guard becomes a no-op so CPU tensors pass.
-_HARNESS = r"""
-#include <c10/cuda/CUDAGuard.h>
-#include "@HOST@/launcher.h"
-namespace c10::cuda { struct FakeGuard { explicit FakeGuard(c10::Device) {} }; }
-#define CUDAGuard FakeGuard
-namespace lck_host {
-inline py::list& fake_log() { static py::list* l = new py::list(); return *l; }
-template <size_t N> void fake_record(int slot, std::array<unsigned, 3> grid, const std::array<Arg, N>& args) {
-  py::gil_scoped_acquire gil;
-  py::tuple out(N);
-  for (size_t k = 0; k < N; ++k) {
-    const Arg& a = args[k];
-    if (a.kind == Arg::kPtr) {
-      const at::Tensor& t = *a.tensor;
-      py::list sh, st;
-      for (int64_t d = 0; d < t.dim(); ++d) { sh.append(py::int_(t.size(d))); st.append(py::int_(t.stride(d))); }
-      out[k] = py::make_tuple(py::int_(reinterpret_cast<uintptr_t>(t.data_ptr())), py::tuple(sh), py::tuple(st),
-                              py::str(c10::toString(t.scalar_type())));
-    } else if (a.kind == Arg::kInt) {
-      out[k] = py::int_(a.i);
-    } else {
-      out[k] = py::float_(a.f);
-    }
-  }
-  fake_log().append(py::make_tuple(py::int_(slot), py::make_tuple(py::int_(grid[0]), py::int_(grid[1]),
-                                   py::int_(grid[2])), out));
-}
-template <> void launch_args<8>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 8>& args) {
-  fake_record(slot, grid, args);
-  at::Tensor a = args[0].tensor->to(at::kFloat), b = args[1].tensor->to(at::kFloat);
-  at::AutoDispatchBelowADInplaceOrView below;
-  at::Tensor(*args[2].tensor).copy_(a * at::sigmoid(a) * b);
-}
-template <> void launch_args<12>(int slot, std::array<unsigned, 3> grid, int, const std::array<Arg, 12>& args) {
-  fake_record(slot, grid, args);
-  at::Tensor a = args[0].tensor->to(at::kFloat), b = args[1].tensor->to(at::kFloat);
-  at::Tensor dc = args[2].tensor->to(at::kFloat), s = at::sigmoid(a), silu = a * s;
-  at::Tensor da = dc * b * (s + silu * (1 - s)), db = dc * silu;
-  at::AutoDispatchBelowADInplaceOrView below;
-  at::Tensor(*args[3].tensor).copy_(da);
-  at::Tensor(*args[4].tensor).copy_(db);
-}
-}  // namespace lck_host
-#include "@PKG@/swiglu/csrc/host.h"
-PYBIND11_MODULE(_swiglu_host_harness, m) {
-  lck_host::bind_swiglu(m);
-  m.def("apply", [](at::Tensor a, at::Tensor b) { return lck_host::SwiGLUFn::apply(a, b); });
-  m.def("apply_packed", [](at::Tensor y, bool ip) { return lck_host::SwiGLUPackedFn::apply(y, ip); });
-  m.def("take_log", [] {
-    py::list out = lck_host::fake_log().attr("copy")();
-    lck_host::fake_log().attr("clear")();
-    return out;
-  });
-}
-"""
 
 
 @pytest.fixture(scope="module")
 def harness():
-    """The harness module, built once per machine into the LCK JIT cache (tens of seconds)."""
-    module = load_harness("_swiglu_host_harness", _HARNESS, "swiglu host harness")
+    """host.h with its launches handed to the Triton interpreter (argument counts 8 for the forward, 12 for the
+    backward) and the plans wired in, built once per machine into the LCK JIT cache (tens of seconds)."""
+    module = interpreted_harness("swiglu", (8, 12), ("swiglu",), "swiglu host harness")
+    module.swiglu_set_plans(*swiglu_launch.host_plans(harness_slots(module)))
     return module
-
-
-@pytest.fixture
-def logged(harness, monkeypatch: pytest.MonkeyPatch):
-    """(harness, take_python_log): both sides' launches logged alike, slots shared."""
-    from lck_kernels._eager import Launch
-
-    slots: dict[int, int] = {}
-
-    def slot(launch) -> int:
-        return slots.setdefault(id(launch), len(slots))
-
-    harness.swiglu_set_plans(*swiglu_launch.host_plans(slot))
-    python_log: list = []
-    real = Launch.__call__
-
-    def record(self, grid, *args):
-        desc = tuple(
-            (a.data_ptr(), tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else a
-            for a in args
-        )
-        python_log.append((slot(self), (*grid, *(1,) * (3 - len(grid))), desc))
-        return real(self, grid, *args)
-
-    monkeypatch.setattr(Launch, "__call__", record)
-
-    def take_python_log() -> list:
-        out = list(python_log)
-        python_log.clear()
-        return out
-
-    harness.take_log()
-    return harness, take_python_log
-
-
-_TORCH_DTYPE = {"Float": "torch.float32", "Half": "torch.float16", "BFloat16": "torch.bfloat16"}
-
-
-def _canonical(log) -> list:
-    """Launches with each pointer replaced by its first position among the launch's tensors (aliasing)."""
-    out = []
-    for slot, grid, args in log:
-        seen: dict[int, int] = {}
-        canon = []
-        for a in args:
-            if isinstance(a, tuple):
-                ptr, shape, stride, dtype = a
-                canon.append(
-                    (
-                        seen.setdefault(ptr, len(seen)),
-                        tuple(shape),
-                        tuple(stride),
-                        _TORCH_DTYPE.get(dtype, dtype),
-                    )
-                )
-            else:
-                canon.append(a)
-        out.append((slot, tuple(grid), tuple(canon)))
-    return out
-
-
-def _close(x: torch.Tensor, y: torch.Tensor, what: str) -> None:
-    assert x.dtype == y.dtype and x.shape == y.shape, what
-    tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # the stand-in computes with torch, not the kernel
-    torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
 HARNESS_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -472,33 +351,30 @@ HARNESS_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("dtype", HARNESS_DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("shape", "cols"),
-    [((5, 7), None), ((2, 3, 40), None), ((1, 1), None), ((6, 1), None), ((3, 2100), None), ((0, 8), None),
-     ((4, 3, 50), (5, 25))],  # the last: column slices of a wider buffer
+    [((5, 7), None), ((2, 3, 40), None), ((1, 1), None), ((6, 1), None), ((3, 2100), None),
+     ((4, 3, 50), (5, 25)), ((2, 1, 3, 16), None)],  # column slices of a wider buffer; a unit dimension
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("grad", ["plain", "expanded"])
-def test_harness_swiglu_launches_as_the_python_function(logged, shape, cols, dtype, grad) -> None:
-    harness, take_python_log = logged
-    torch.manual_seed(len(shape) + shape[-1])
-    a0, b0 = (torch.randn(shape) * 3).to(dtype), torch.randn(shape).to(dtype)
+def test_harness_swiglu_equals_python_function_bit_for_bit(harness, shape, cols, dtype, grad) -> None:
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    a0, b0 = (torch.randn(shape, generator=g) * 3).to(dtype), torch.randn(shape, generator=g).to(dtype)
     out_shape = (*shape[:-1], cols[1] - cols[0]) if cols else shape
     dc = (
-        torch.randn(out_shape).to(dtype) if grad == "plain" else torch.ones((), dtype=dtype).expand(out_shape)
+        torch.randn(out_shape, generator=g).to(dtype)
+        if grad == "plain"
+        else torch.ones((), dtype=dtype).expand(out_shape)
     )
-    results, logs = [], []
-    for apply in (harness.apply, SwiGLUFunction.apply):
+    results = []
+    for host in (True, False):
         a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
         av, bv = (a[..., cols[0] : cols[1]], b[..., cols[0] : cols[1]]) if cols else (a, b)
-        c = apply(av, bv)
+        c = harness.swiglu(av, bv) if host else SwiGLUFunction.apply(av, bv)
+        assert (c.grad_fn.name() == "lck_host::SwiGLUBackward") == host
         c.backward(dc)
-        results.append((c, a.grad, b.grad))
-        logs.append(
-            _canonical(harness.take_log()) if apply is harness.apply else _canonical(take_python_log())
-        )
-    assert logs[0] == logs[1]
-    assert len(logs[0]) == (2 if shape[0] else 0)
-    for k, (x, y) in enumerate(zip(*results)):
-        _close(x, y, f"item {k}")
+        results.append((c.detach(), a.grad, b.grad))
+    for name, x, y in zip(("out", "da", "db"), *results):
+        assert_bits_equal(x, y, name)
     assert results[0][0].is_contiguous()
 
 
@@ -506,39 +382,59 @@ def test_harness_swiglu_launches_as_the_python_function(logged, shape, cols, dty
 @pytest.mark.parametrize("dtype", HARNESS_DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("shape", "cols"),
-    [((5, 14), None), ((2, 3, 80), None), ((1, 2), None), ((3, 2 * 1001), None), ((0, 8), None),
-     ((4, 3, 100), (10, 74))],  # the last: a packed buffer inside a wider one
+    [((5, 14), None), ((2, 3, 80), None), ((1, 2), None), ((3, 2 * 1001), None), ((4, 3, 100), (10, 74)),
+     ((32,), None)],  # a packed buffer inside a wider one; a single 1-D row
     ids=str,
 )  # fmt: skip
-def test_harness_swiglu_packed_launches_as_the_python_function(logged, shape, cols, dtype, in_place) -> None:
-    harness, take_python_log = logged
-    torch.manual_seed(len(shape) + shape[-1])
-    y0 = (torch.randn(shape) * 3).to(dtype)
+def test_harness_swiglu_packed_equals_python_function_bit_for_bit(
+    harness, shape, cols, dtype, in_place
+) -> None:
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    y0 = (torch.randn(shape, generator=g) * 3).to(dtype)
     width = cols[1] - cols[0] if cols else shape[-1]
-    dout = torch.randn((*shape[:-1], width // 2)).to(dtype)
+    dout = torch.randn((*shape[:-1], width // 2), generator=g).to(dtype)
     if len(shape) > 1:
         dout = dout.transpose(0, -2).contiguous().transpose(0, -2)  # non-contiguous
-    results, logs = [], []
+    results = []
     for host in (True, False):
         base = y0.clone().requires_grad_(True) * 1
         y = base[..., cols[0] : cols[1]] if cols else base
-        out = harness.apply_packed(y, in_place) if host else SwiGLUPackedFunction.apply(y, in_place)
+        out = harness.swiglu_packed(y, in_place) if host else SwiGLUPackedFunction.apply(y, in_place)
+        assert (out.grad_fn.name() == "lck_host::SwiGLUPackedBackward") == host
         (dy,) = torch.autograd.grad(out, y, dout)
-        reused = dy.data_ptr() == y.data_ptr() if y.numel() else in_place
-        results.append((out, dy.clone(), base.detach().clone(), base._version, reused))
-        logs.append(_canonical(harness.take_log()) if host else _canonical(take_python_log()))
-    assert logs[0] == logs[1]
-    assert len(logs[0]) == (2 if shape[0] else 0)
-    for k in range(3):
-        _close(results[0][k], results[1][k], f"item {k}")
+        reused = dy.data_ptr() == y.data_ptr()
+        results.append((out.detach(), dy.clone(), base.detach().clone(), base._version, reused))
+    for name, k in (("out", 0), ("dy", 1), ("buffer", 2)):
+        assert_bits_equal(results[0][k], results[1][k], name)
     assert results[0][3] == results[1][3] == int(in_place), "the in-place backward bumps the version once"
     assert results[0][4] == results[1][4] == in_place
 
 
-def test_harness_second_backward_through_in_place_graph_raises(logged) -> None:
-    harness, _ = logged
+def test_harness_autograd_contract(harness) -> None:
     y = torch.randn(6, 32, requires_grad=True) * 1
-    out = harness.apply_packed(y, True)
+    out = harness.swiglu_packed(y, True)
     out.backward(torch.ones(6, 16), retain_graph=True)
     with pytest.raises(RuntimeError, match=r"in_place=True.*second backward"):
         out.backward(torch.ones(6, 16))
+    a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    c = harness.swiglu(a, b)  # b needs no gradient: one edge only
+    (da,) = torch.autograd.grad(c, a, torch.ones(4, 8))
+    assert torch.equal(da, torch.autograd.grad(SwiGLUFunction.apply(a, b), a, torch.ones(4, 8))[0])
+    c = harness.swiglu(a, b)
+    c.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        c.sum().backward()
+    c = harness.swiglu(a, b)
+    with torch.no_grad():
+        a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        c.sum().backward()
+    with torch.no_grad():
+        assert harness.swiglu(a, b).grad_fn is None
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(a.detach(), torch.ones(4, 8))
+        assert harness.swiglu(dual, b) is None  # forward AD: the Python path
+    assert harness.swiglu(torch.randn(4, 8), torch.randn(4, 9)) is None
+    assert harness.swiglu_packed(torch.randn(4, 7), False) is None

@@ -69,4 +69,13 @@ inline bool rows_ok(const at::Tensor& t) {
   return true;
 }
 
+// The row stride of x's [rows, n] view (rows_ok: the leading dimensions collapse into rows), without building
+// the view (a dispatcher call, and an autograd view node when x requires grad): the stride of the innermost
+// leading dimension longer than 1 (any value serves a single row).
+inline int64_t row_stride(const at::Tensor& x) {
+  for (int64_t k = x.dim() - 2; k >= 0; --k)
+    if (x.size(k) != 1) return x.stride(k);
+  return x.size(-1);
+}
+
 }  // namespace lck_host

@@ -44,10 +44,11 @@ struct Arg {
 };
 
 inline Arg ptr(const at::Tensor& t) { return Arg{Arg::kPtr, &t, 0, 0.0}; }
-// Element `offset` of a 1-D tensor, as its narrow(0, offset, ...) would pass it, without building that view (a
-// dispatcher call each).
+// The address `offset` elements past t's first, as a view starting there (a narrow, a column slice) would pass
+// it, without building that view (a dispatcher call each). Kernels see only the address.
 inline Arg ptr_at(const at::Tensor& t, int64_t offset) {
-  TORCH_CHECK(t.dim() == 1 && offset >= 0 && offset <= t.numel(), "lck host: ptr_at outside a 1-D tensor");
+  TORCH_CHECK(offset >= 0 && t.storage_offset() + offset <= int64_t(t.storage().nbytes() / t.element_size()),
+              "lck host: ptr_at outside the tensor's storage");
   return Arg{Arg::kPtr, &t, offset, 0.0};
 }
 inline Arg i(int64_t v) { return Arg{Arg::kInt, nullptr, v, 0.0}; }
@@ -137,7 +138,8 @@ py::tuple py_args(const std::array<Arg, N>& args) {
   for (size_t k = 0; k < N; ++k) {
     const Arg& a = args[k];
     if (a.kind == Arg::kPtr)
-      out[k] = py::cast(a.i == 0 ? *a.tensor : a.tensor->narrow(0, a.i, a.tensor->size(0) - a.i));
+      // At an offset: a one-element view there (Triton and its interpreter take the address and the storage).
+      out[k] = py::cast(a.i == 0 ? *a.tensor : a.tensor->as_strided({1}, {1}, a.tensor->storage_offset() + a.i));
     else if (a.kind == Arg::kInt)
       out[k] = py::int_(a.i);
     else

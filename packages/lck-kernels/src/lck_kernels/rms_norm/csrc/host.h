@@ -45,15 +45,6 @@ inline RmsPlans& rms_plans() {
   return *p;
 }
 
-// The row stride of x's [rows, n] view (rows_ok: the leading dimensions collapse into rows), without building
-// the view (a dispatcher call, and an autograd view node when x requires grad): the stride of the innermost
-// leading dimension longer than 1 (any value serves a single row).
-inline int64_t row_stride(const at::Tensor& x) {
-  for (int64_t k = x.dim() - 2; k >= 0; --k)
-    if (x.size(k) != 1) return x.stride(k);
-  return x.size(-1);
-}
-
 // RMSNorm's backward node (RMSNormFunction.backward): dx, and dweight when the weight needs a gradient.
 struct RMSNormBackward : torch::autograd::Node {
   torch::autograd::SavedVariable x_, weight_, rstd_;

@@ -1,6 +1,7 @@
-// SwiGLU (both forms) as C++ autograd Functions: the same Triton kernels, launch plans, outputs and saved
+// SwiGLU (both forms) with C++ backward nodes (node.h): the same Triton kernels, launch plans, outputs and saved
 // tensors as ops.py's SwiGLUFunction / SwiGLUPackedFunction, with no Python on the per-call path (forward
-// on the caller's thread, backward on autograd's device thread). Plans come from Python once per (kernel,
+// on the caller's thread, backward on autograd's device thread) and no views: the kernels get addresses and
+// row strides (a packed buffer's up half is its address n elements on). Plans come from Python once per (kernel,
 // row width, element size) (launch.py's host_plans) and are cached here; the grid is computed per call as
 // launch.py's _plan computes it. The entry points check their arguments themselves (checks.h) and answer
 // None for anything they do not take, so that swiglu() / swiglu_packed() then run their Python checks
@@ -8,14 +9,17 @@
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "../../_host/checks.h"
 #include "../../_host/launcher.h"
+#include "../../_host/node.h"
 
 namespace lck_host {
 
@@ -43,51 +47,47 @@ inline std::array<unsigned, 3> swiglu_grid(const SwigluPlan& p, int64_t rows, in
   return {static_cast<unsigned>(tiles), 1, 1};
 }
 
-// launch.py's launch_fwd: c2 = silu(a2) * b2 on [rows, n] views with unit column stride.
-inline void swiglu_launch_fwd(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& c2, int device) {
-  const int64_t rows = a2.size(0), n = a2.size(1);
-  if (rows == 0) return;
-  const SwigluPlan plan = swiglu_plan(0, n, a2.element_size());
-  launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(c2), i(rows), i(n),
-                i(a2.stride(0)), i(b2.stride(0)), i(c2.stride(0)));
+// launch.py's launch_fwd: c = silu(a) * b over `rows` rows of n, a and b with row strides sa and sb, c contiguous.
+// Addresses and strides only: no [rows, n] views (a dispatcher call each).
+inline void swiglu_launch_fwd(const Arg& a, const Arg& b, const Arg& c, int64_t rows, int64_t n, int64_t sa,
+                              int64_t sb, int64_t esize, int device) {
+  const SwigluPlan plan = swiglu_plan(0, n, esize);
+  launch(plan.slot, swiglu_grid(plan, rows, n), device, a, b, c, i(rows), i(n), i(sa), i(sb), i(n));
 }
 
-// launch.py's launch_bwd; da2 / db2 may be a2 / b2 (the in-place packed backward).
-inline void swiglu_launch_bwd(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& dc2,
-                              const at::Tensor& da2, const at::Tensor& db2, int device) {
-  const int64_t rows = a2.size(0), n = a2.size(1);
-  if (rows == 0) return;
-  const SwigluPlan plan = swiglu_plan(1, n, a2.element_size());
-  launch(plan.slot, swiglu_grid(plan, rows, n), device, ptr(a2), ptr(b2), ptr(dc2), ptr(da2), ptr(db2),
-                i(rows), i(n), i(a2.stride(0)), i(b2.stride(0)), i(dc2.stride(0)), i(da2.stride(0)),
-                i(db2.stride(0)));
+// launch.py's launch_bwd: da, db (row strides sd) from a, b (row strides sa, sb) and a contiguous dc.
+inline void swiglu_launch_bwd(const Arg& a, const Arg& b, const Arg& dc, const Arg& da, const Arg& db, int64_t rows,
+                              int64_t n, int64_t sa, int64_t sb, int64_t sd, int64_t esize, int device) {
+  const SwigluPlan plan = swiglu_plan(1, n, esize);
+  launch(plan.slot, swiglu_grid(plan, rows, n), device, a, b, dc, da, db, i(rows), i(n), i(sa), i(sb), i(n),
+         i(sd), i(sd));
 }
 
-class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor a, at::Tensor b) {
-    c10::cuda::CUDAGuard guard(a.device());
-    const int64_t n = a.size(-1);
-    at::Tensor c = at::empty(a.sizes(), a.options());
-    swiglu_launch_fwd(a.view({-1, n}), b.view({-1, n}), c.view({-1, n}), a.get_device());
-    ctx->save_for_backward({a, b});
-    return c;
+// SwiGLUFunction's backward as a node (node.h): da and db from the saved a and b.
+struct SwiGLUBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable a_, b_;
+
+  std::string name() const override { return "lck_host::SwiGLUBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    a_.reset_data();
+    b_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& a = saved[0];
-    const at::Tensor& b = saved[1];
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor a = a_.unpack(), b = b_.unpack();
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
     c10::cuda::CUDAGuard guard(a.device());
     at::Tensor dc = grads[0];
     if (!dc.is_contiguous()) dc = dc.contiguous();  // e.g. an expanded gradient of a sum
-    const int64_t n = a.size(-1);
+    const int64_t n = a.size(-1), rows = a.numel() / n;
     at::Tensor da = at::empty(a.sizes(), a.options());
     at::Tensor db = at::empty(a.sizes(), a.options());
-    swiglu_launch_bwd(a.view({-1, n}), b.view({-1, n}), dc.view({-1, n}), da.view({-1, n}), db.view({-1, n}),
-                      a.get_device());
-    return {da, db};
+    swiglu_launch_bwd(ptr(a), ptr(b), ptr(dc), ptr(da), ptr(db), rows, n, row_stride(a), row_stride(b), n,
+                      a.element_size(), a.get_device());
+    return {task_should_compute_output(0) ? da : at::Tensor(), task_should_compute_output(1) ? db : at::Tensor()};
   }
 };
 
@@ -97,57 +97,42 @@ inline constexpr const char* kSwigluSecondBackward =
     "with its gradient, so a second backward (retain_graph=True, or autograd.grad twice) would read a gradient "
     "as the activation. Recompute the forward, or use in_place=False where the graph is differentiated twice.";
 
-class SwiGLUPackedFn : public torch::autograd::Function<SwiGLUPackedFn> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor y, bool in_place) {
-    c10::cuda::CUDAGuard guard(y.device());
-    const int64_t n2 = y.size(-1), n = n2 / 2;
-    std::vector<int64_t> sizes = y.sizes().vec();
-    sizes.back() = n;
-    at::Tensor out = at::empty(sizes, y.options());
-    at::Tensor y2 = y.view({-1, n2});
-    swiglu_launch_fwd(y2.slice(1, 0, n), y2.slice(1, n, n2), out.view({-1, n}), y.get_device());
-    ctx->save_for_backward({y});
-    ctx->saved_data["in_place"] = in_place;
-    ctx->saved_data["consumed"] = false;
-    return out;
+// SwiGLUPackedFunction's backward as a node: dy (gate half, then up half) from the saved y, or over y with
+// in_place (once: a second backward would read a gradient as the activation).
+struct SwiGLUPackedBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable y_;
+  bool in_place = false, consumed = false;
+
+  std::string name() const override { return "lck_host::SwiGLUPackedBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    y_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const bool in_place = ctx->saved_data["in_place"].toBool();
-    if (in_place && ctx->saved_data["consumed"].toBool()) throw std::runtime_error(kSwigluSecondBackward);
-    const auto saved = ctx->get_saved_variables();
-    at::Tensor y = saved[0];
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (in_place && consumed) throw std::runtime_error(kSwigluSecondBackward);
+    at::Tensor y = y_.unpack();
+    if (!grads[0].defined()) return {at::Tensor()};
     c10::cuda::CUDAGuard guard(y.device());
     const int device = y.get_device();
     at::Tensor dout = grads[0];
     if (!dout.is_contiguous()) dout = dout.contiguous();
-    const int64_t n2 = y.size(-1), n = n2 / 2;
-    at::Tensor y2 = y.view({-1, n2});
-    at::Tensor gate = y2.slice(1, 0, n), up = y2.slice(1, n, n2);
-    at::Tensor dout2 = dout.view({-1, n});
+    const int64_t n2 = y.size(-1), n = n2 / 2, rows = y.numel() / n2, ys = row_stride(y);
+    const int64_t esize = y.element_size();
     if (!in_place) {
       at::Tensor dy = at::empty(y.sizes(), y.options());
-      at::Tensor dy2 = dy.view({-1, n2});
-      swiglu_launch_bwd(gate, up, dout2, dy2.slice(1, 0, n), dy2.slice(1, n, n2), device);
-      return {dy, at::Tensor()};
+      swiglu_launch_bwd(ptr(y), ptr_at(y, n), ptr(dout), ptr(dy), ptr_at(dy, n), rows, n, ys, ys, n2, esize, device);
+      return {dy};
     }
     // The entry refused overlapping rows, which the Python op rejects here (ValueError).
-    ctx->saved_data["consumed"] = true;
-    swiglu_launch_bwd(gate, up, dout2, gate, up, device);
+    consumed = true;
+    swiglu_launch_bwd(ptr(y), ptr_at(y, n), ptr(dout), ptr(y), ptr_at(y, n), rows, n, ys, ys, ys, esize, device);
     y.unsafeGetTensorImpl()->bump_version();  // y now holds its gradient, as the op's mutation of y
-    return {y, at::Tensor()};
+    return {y};
   }
 };
-
-// Stride between rows of t seen as [-1, t.size(-1)] (rows_ok(t) holds): that of its innermost leading
-// dimension of size > 1, or 0 for a single row.
-inline int64_t swiglu_row_stride(const at::Tensor& t) {
-  for (int64_t k = t.dim() - 2; k >= 0; --k)
-    if (t.size(k) != 1) return t.stride(k);
-  return 0;
-}
 
 // swiglu(a, b) -> c, or None (see the file comment).
 inline py::object swiglu_entry(py::handle ah, py::handle bh) {
@@ -157,7 +142,21 @@ inline py::object swiglu_entry(py::handle ah, py::handle bh) {
   if (!a.is_cuda() || !float_dtype(a.scalar_type()) || b.scalar_type() != a.scalar_type()) return py::none();
   if (b.device() != a.device() || !a.sizes().equals(b.sizes()) || !rows_ok(a) || !rows_ok(b))
     return py::none();
-  return wrap(SwiGLUFn::apply(a, b));
+  if (has_fw_grad(a) || has_fw_grad(b)) return py::none();
+  c10::cuda::CUDAGuard guard(a.device());
+  const int64_t n = a.size(-1), rows = a.numel() / n;
+  at::Tensor c = at::empty(a.sizes(), a.options());
+  swiglu_launch_fwd(ptr(a), ptr(b), ptr(c), rows, n, row_stride(a), row_stride(b), a.element_size(),
+                    a.get_device());
+  if (torch::autograd::compute_requires_grad(a, b)) {
+    NodePtr node = make_node<SwiGLUBackward>();
+    SwiGLUBackward* bw = node_as<SwiGLUBackward>(node);
+    node->set_next_edges(torch::autograd::collect_next_edges(a, b));
+    bw->a_ = torch::autograd::SavedVariable(a, false);
+    bw->b_ = torch::autograd::SavedVariable(b, false);
+    torch::autograd::set_history(c, node);
+  }
+  return wrap(c);
 }
 
 // swiglu_packed(y, in_place) -> out, or None (see the file comment).
@@ -169,8 +168,23 @@ inline py::object swiglu_packed_entry(py::handle yh, py::handle in_place_h) {
   const int64_t n2 = y.size(-1);
   if (n2 % 2 != 0) return py::none();
   // Rows that overlap cannot take the gradient in place: the Python op raises that in its backward.
-  if (in_place && y.numel() / n2 > 1 && swiglu_row_stride(y) < n2) return py::none();
-  return wrap(SwiGLUPackedFn::apply(y, in_place));
+  if (in_place && y.numel() / n2 > 1 && row_stride(y) < n2) return py::none();
+  if (has_fw_grad(y)) return py::none();
+  c10::cuda::CUDAGuard guard(y.device());
+  const int64_t n = n2 / 2, rows = y.numel() / n2, ys = row_stride(y);
+  std::vector<int64_t> sizes = y.sizes().vec();
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, y.options());
+  swiglu_launch_fwd(ptr(y), ptr_at(y, n), ptr(out), rows, n, ys, ys, y.element_size(), y.get_device());
+  if (torch::autograd::compute_requires_grad(y)) {
+    NodePtr node = make_node<SwiGLUPackedBackward>();
+    SwiGLUPackedBackward* bw = node_as<SwiGLUPackedBackward>(node);
+    node->set_next_edges(torch::autograd::collect_next_edges(y));
+    bw->y_ = torch::autograd::SavedVariable(y, false);
+    bw->in_place = in_place;
+    torch::autograd::set_history(out, node);
+  }
+  return wrap(out);
 }
 
 inline void bind_swiglu(py::module& m) {
@@ -178,9 +192,9 @@ inline void bind_swiglu(py::module& m) {
     swiglu_plans()[0].reset(std::move(fwd));
     swiglu_plans()[1].reset(std::move(bwd));
   });
-  m.def("swiglu", &swiglu_entry, "SwiGLU of two tensors through the C++ autograd Function, or None");
+  m.def("swiglu", &swiglu_entry, "SwiGLU of two tensors with a C++ backward node, or None");
   m.def("swiglu_packed", &swiglu_packed_entry,
-        "SwiGLU of a packed gate-up buffer through the C++ autograd Function, or None");
+        "SwiGLU of a packed gate-up buffer with a C++ backward node, or None");
 }
 
 }  // namespace lck_host
