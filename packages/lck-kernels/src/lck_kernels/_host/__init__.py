@@ -3,10 +3,10 @@
 A Python ``torch.autograd.Function`` costs the host its Python forward, and its backward runs Python again
 on autograd's device thread, where the interpreter's working set is cold: measured on an H200 (2026-12-02,
 ``benchmarks/host_floor.py``), the RMSNorm backward body took about three times as long there as the same
-code on the calling thread. The ops here are ``torch::autograd::Function``s in C++, or for RMSNorm and cross
-entropy hand-written backward nodes (``node.h``: less bookkeeping per call than a Function's), in ``module.cpp`` and each
-op family's ``csrc/host.h``: they allocate their outputs, look up the launch plan cached per shape and the
-compiled Triton variant cached per argument specialisation (``launcher.h``), and call ``cuLaunchKernel``.
+code on the calling thread. The ops here record hand-written C++ backward nodes (``node.h``: less bookkeeping
+per call than a ``torch::autograd::Function``'s), in ``module.cpp`` and each op family's ``csrc/host.h``: they
+allocate their outputs, look up the launch plan cached per shape and the compiled Triton variant cached per
+argument specialisation (``launcher.h``), and call ``cuLaunchKernel`` with addresses and strides (no views).
 Python is only consulted the first time a shape or a variant is seen: the plan comes from the family's
 ``launch.py`` and the kernel is compiled and launched by Triton itself, which then says how to launch it
 again (or that it must keep going through Triton: scratch memory, clusters, tensor descriptors).

@@ -34,7 +34,7 @@ namespace py = pybind11;
 struct Arg {
   enum Kind : uint8_t { kPtr, kInt, kFloat } kind;
   const at::Tensor* tensor = nullptr;  // kPtr
-  int64_t i = 0;                       // kInt; kPtr: the element offset into a 1-D tensor (ptr_at)
+  int64_t i = 0;                       // kInt; kPtr: elements past the tensor's first (ptr_at)
   double f = 0.0;                      // kFloat
 
   // The address a pointer argument passes.
