@@ -389,6 +389,17 @@ inline bool lce_needs(const LceInputs& in, LceCall* c) {
   return c->need_x || c->need_w || c->need_b;
 }
 
+// Either entry's forward: lce_forward with autograd off (ATen's out= GEMMs refuse operands that record a graph),
+// and in *applied the scale the gradients carry (1: those of the loss itself) for the backward's rescale.
+inline LceOut lce_run(const LceInputs& in, const at::Tensor& class_weight, const LceCall& c, at::Tensor* applied) {
+  at::AutoGradMode no_grad(false);
+  c10::cuda::CUDAGuard guard(in.x.device());
+  LceOut out = lce_forward(in.x, in.weight, in.target, in.bias.value_or(at::Tensor()), class_weight, c,
+                           in.x.get_device());
+  *applied = at::ones({1}, in.x.options().dtype(at::kFloat));
+  return out;
+}
+
 // fused_linear_cross_entropy(x, weight, target, bias, class_weight, ignore_index, label_smoothing,
 // lse_square_scale, softcap, reduction, return_z_loss, chunk_bytes, max_chunk_tokens, loss_dtype) -> what it
 // returns, or None (see the file comment).
@@ -421,14 +432,8 @@ inline py::object fused_linear_cross_entropy_entry(py::handle x_h, py::handle we
   if (c.plan.chunk <= 0) return py::none();  // the split-row or cluster forward: launch.py's own path
   const at::Tensor& x_in = in.x_in;
   const at::Tensor bias = in.bias.value_or(at::Tensor());
-  LceOut out;
   at::Tensor applied;
-  {
-    at::AutoGradMode no_grad(false);  // ATen's out= GEMMs refuse operands that record a graph
-    c10::cuda::CUDAGuard guard(x.device());
-    out = lce_forward(x, in.weight, in.target, bias, class_weight.value_or(at::Tensor()), c, x.get_device());
-    applied = at::ones({1}, x.options().dtype(at::kFloat));
-  }
+  LceOut out = lce_run(in, class_weight.value_or(at::Tensor()), c, &applied);
   NodePtr node = make_node<FusedLinearCrossEntropyBackward>();
   FusedLinearCrossEntropyBackward* b = node_as<FusedLinearCrossEntropyBackward>(node);
   b->gx_ = torch::autograd::SavedVariable(out.gx, false);
@@ -465,14 +470,8 @@ inline py::object fused_linear_scaled_cross_entropy_entry(py::handle x_h, py::ha
   if (c.plan.chunk <= 0) return py::none();
   const at::Tensor& x_in = in.x_in;
   const at::Tensor bias = in.bias.value_or(at::Tensor());
-  LceOut out;
   at::Tensor applied;
-  {
-    at::AutoGradMode no_grad(false);  // ATen's out= GEMMs refuse operands that record a graph
-    c10::cuda::CUDAGuard guard(x_in.device());
-    out = lce_forward(in.x, in.weight, in.target, bias, at::Tensor(), c, x_in.get_device());
-    applied = at::ones({1}, in.x.options().dtype(at::kFloat));
-  }
+  LceOut out = lce_run(in, at::Tensor(), c, &applied);
   NodePtr node = make_node<FusedLinearScaledCrossEntropyBackward>();
   auto* b = node_as<FusedLinearScaledCrossEntropyBackward>(node);
   node->set_next_edges(torch::autograd::collect_next_edges(x_in, in.weight, bias));
