@@ -155,19 +155,23 @@ inline CeOut ce_forward(const at::Tensor& logits, const at::Tensor& target, cons
   return CeOut{loss, z, lse, applied};
 }
 
-// A saved tensor, with unpack_saved_gradient's message when it was overwritten since the forward.
-inline at::Tensor ce_unpack(const torch::autograd::SavedVariable& saved) {
+// A saved tensor of `op`'s backward node (`saved_for`: the node, for a saved output), with unpack_saved_gradient's
+// message, naming `op`, when it was overwritten since the forward. The fused linear ops' nodes use it too.
+inline at::Tensor ce_unpack(const torch::autograd::SavedVariable& saved, const char* op = "cross_entropy",
+                            NodePtr saved_for = nullptr) {
   try {
-    return saved.unpack();
+    return saved.unpack(std::move(saved_for));
   } catch (const c10::Error& e) {
     if (std::string(e.what()).find("modified by an inplace operation") == std::string::npos) throw;
   }
-  TORCH_CHECK(false,
-                "cross_entropy: a buffer saved by the forward was modified before this backward. Either backward "
-                "ran a second time over the same graph (retain_graph=True), which cross_entropy does not support "
-                "where its backward updates a saved buffer in place (the gradient computed in the forward for "
-                "reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
-                "in-place op wrote into the inputs cross_entropy saved after its forward.");
+  TORCH_CHECK(false, op,
+              ": a buffer saved by the forward was modified before this backward. Either backward ran a second "
+              "time over the same graph (retain_graph=True), which ",
+              op,
+              " does not support where its backward updates a saved buffer in place (the gradient computed in the "
+              "forward for reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
+              "in-place op wrote into the inputs ",
+              op, " saved after its forward.");
   return {};
 }
 

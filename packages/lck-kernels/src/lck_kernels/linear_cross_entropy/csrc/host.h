@@ -214,34 +214,6 @@ inline void lce_rescale(const std::array<at::Tensor, 3>& buffers, const at::Tens
   applied.unsafeGetTensorImpl()->bump_version();
 }
 
-// The message of a saved buffer overwritten since the forward (unpack_saved_gradient's), naming `op`.
-inline void lce_overwritten(const char* op) {
-  TORCH_CHECK(false, op,
-              ": a buffer saved by the forward was modified before this backward. Either backward ran a second "
-              "time over the same graph (retain_graph=True), which ",
-              op,
-              " does not support where its backward updates a saved buffer in place (the gradient computed in the "
-              "forward for reduction='sum'/'mean', or the logits with in_place=True): run the forward again; or an "
-              "in-place op wrote into the inputs ",
-              op, " saved after its forward.");
-}
-
-inline bool lce_is_overwritten(const c10::Error& e) {
-  return std::string(e.what()).find("modified by an inplace operation") != std::string::npos;
-}
-
-// A saved tensor, with lce_overwritten's message when it was overwritten since the forward.
-inline at::Tensor lce_unpack(const torch::autograd::SavedVariable& saved, const char* op,
-                             NodePtr saved_for = nullptr) {
-  try {
-    return saved.unpack(std::move(saved_for));
-  } catch (const c10::Error& e) {
-    if (!lce_is_overwritten(e)) throw;
-  }
-  lce_overwritten(op);
-  return {};
-}
-
 // FusedLinearCrossEntropyFunction's backward as a node (node.h): the gradients the forward finished, rescaled in
 // place by the loss's incoming gradient. Its edges are x (in its own shape: no view node), weight and bias.
 struct FusedLinearCrossEntropyBackward : torch::autograd::Node {
@@ -262,8 +234,8 @@ struct FusedLinearCrossEntropyBackward : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     constexpr const char* op = "fused_linear_cross_entropy";
-    at::Tensor gx = lce_unpack(gx_, op), gw = lce_unpack(gw_, op), gb = lce_unpack(gb_, op);
-    const at::Tensor applied = lce_unpack(applied_, op);
+    at::Tensor gx = ce_unpack(gx_, op), gw = ce_unpack(gw_, op), gb = ce_unpack(gb_, op);
+    const at::Tensor applied = ce_unpack(applied_, op);
     const at::Tensor none;
     if (!grads[0].defined()) return {none, none, none};
     c10::cuda::CUDAGuard guard(applied.device());
@@ -295,20 +267,20 @@ struct FusedLinearScaledCrossEntropyBackward : torch::autograd::Node {
     constexpr const char* op = "fused_linear_scaled_cross_entropy";
     const at::Tensor none;
     std::array<at::Tensor, 3> out;
-    const at::Tensor applied = lce_unpack(applied_, op);
+    const at::Tensor applied = ce_unpack(applied_, op);
     c10::cuda::CUDAGuard guard(applied.device());
     if (grads[0].defined()) {
-      out = {lce_unpack(gx_, op), lce_unpack(gw_, op), lce_unpack(gb_, op)};
+      out = {ce_unpack(gx_, op), ce_unpack(gw_, op), ce_unpack(gb_, op)};
       lce_rescale(out, applied, grads[0], applied.get_device());
     }
     const at::Tensor& g_lse = grads[1];
     const at::Tensor g_ent = entropy ? grads[2] : none;
     if (g_lse.defined() || g_ent.defined()) {
-      const at::Tensor x = lce_unpack(x_, op), weight = lce_unpack(weight_, op);
-      const at::Tensor target = lce_unpack(target_, op), bias = lce_unpack(bias_, op);
+      const at::Tensor x = ce_unpack(x_, op), weight = ce_unpack(weight_, op);
+      const at::Tensor target = ce_unpack(target_, op), bias = ce_unpack(bias_, op);
       // lse and entropy are this node's outputs: unpacking them names the node.
-      const at::Tensor lse = lce_unpack(lse_, op, self_ptr(this));
-      const at::Tensor ent = entropy ? lce_unpack(entropy_, op, self_ptr(this)) : none;
+      const at::Tensor lse = ce_unpack(lse_, op, self_ptr(this));
+      const at::Tensor ent = entropy ? ce_unpack(entropy_, op, self_ptr(this)) : none;
       std::array<at::Tensor, 3> extra;
       {
         py::gil_scoped_acquire gil;
