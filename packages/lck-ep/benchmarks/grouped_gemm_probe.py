@@ -1,0 +1,209 @@
+"""Where the MoE layer's forward time goes, and whether a grouped GEMM beats ``torch._grouped_mm`` there.
+
+At the Qwen3-30B-A3B expert shape (8192 tokens, top-8, 128 experts, hidden 2048, ffn 768, bf16, balanced
+random routing) on one GPU, three questions, answered side by side in one process:
+
+1. ``torch._grouped_mm`` with the expert weights stored as the layer stores them (``[E, K, N]``, N
+   contiguous) against the same weights stored K-contiguous (a transposed view of ``[E, N, K]``), for both
+   forward GEMMs;
+2. a Triton grouped GEMM over the same expert-major rows (TMA loads, one expert per row tile, rows of
+   other experts masked at the store) at several tile configurations, with its largest difference from
+   ``torch._grouped_mm`` relative to the output's largest magnitude;
+3. the GPU time of every kernel of :class:`lck_ep.MoEExperts`' forward (``torch.profiler``).
+
+Every timed row has GPU time (L2 flushed, host given a head start), host time and loop time. Output:
+``<out>/grouped-gemm-probe-<gpu>-<date>-<commit>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# fmt: off
+
+
+@triton.jit
+def _grouped_mm_probe_kernel(
+    a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c,
+    NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program p: row tile ``p // n_tiles`` of the list of every expert's row tiles, column tile ``p % n_tiles``."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_cols, BLOCK_N)
+    mt = pid // n_tiles
+    nt = pid % n_tiles
+    e_ids = tl.arange(0, E_BLOCK)
+    in_e = e_ids < NUM_E
+    ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
+    starts = tl.load(ends_ptr + e_ids - 1, mask=in_e & (e_ids > 0), other=0)
+    tiles = tl.where(in_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)
+    if mt >= tl.sum(tiles, 0):
+        return
+    e = tl.sum((cum <= mt).to(tl.int32), 0)
+    sel = e_ids == e
+    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    start = tl.sum(tl.where(sel, starts, 0), 0)
+    end = tl.sum(tl.where(sel, ends, 0), 0)
+    row0 = start + (mt - first) * BLOCK_M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_dim, BLOCK_K):
+        a = a_desc.load([row0, k])
+        if B_KMAJOR:
+            b = b_desc.load([e * n_cols + nt * BLOCK_N, k]).T
+        else:
+            b = b_desc.load([e * k_dim + k, nt * BLOCK_N])
+        acc = tl.dot(a, b, acc)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
+    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
+
+
+# fmt: on
+
+
+def triton_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, cfg: tuple[int, int, int, int, int], kmajor: bool
+) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]``; ``b`` ``[E, K, N]`` (``kmajor``: a transposed ``[E, N, K]``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages = cfg
+    m, k = a.shape
+    e, _, n = b.shape
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    if kmajor:
+        b2 = b.transpose(1, 2).reshape(e * n, k)  # a view: b is the transpose of a contiguous [E, N, K]
+        b_desc = TensorDescriptor.from_tensor(b2, [bn, bk])
+    else:
+        b_desc = TensorDescriptor.from_tensor(b.reshape(e * k, n), [bk, bn])
+    grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn),)
+    _grouped_mm_probe_kernel[grid](
+        a_desc, b_desc, out, ends, n, k, out.stride(0), NUM_E=e, E_BLOCK=triton.next_power_of_2(e),
+        B_KMAJOR=kmajor, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+CONFIGS = [
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 5),
+]
+
+
+def _measure(fn: Any) -> dict[str, Any]:
+    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
+
+    out = summarize(time_cuda(fn, warmup=3, iters=20))
+    out["host_ms"] = host_ms(fn, iters=10, warmup=2)
+    out["loop_ms"] = time_loop(fn, iters=20, warmup=3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lck_ep.moe import MoEExperts
+    from lck_ep.moe.permute import build_local_layout
+    from lck_runtime.benchmarking import gpu_slug, provenance
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    t, h, f, e, k = 8192, 2048, 768, 128, 8
+    idx = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].contiguous()
+    lay = build_local_layout(idx, e, 1)
+    rows = int(lay.ends[-1])
+    x_e = torch.randn(t * k, h, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(t * k, f, device=dev, dtype=torch.bfloat16)
+    w1 = torch.randn(e, h, 2 * f, device=dev, dtype=torch.bfloat16) / h**0.5
+    w2 = torch.randn(e, f, h, device=dev, dtype=torch.bfloat16) / f**0.5
+    w1_km = w1.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K contiguous
+    w2_km = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    records: list[dict[str, Any]] = []
+    for gemm, a, w, w_km, flops in (
+        ("gemm1", x_e, w1, w1_km, 2.0 * rows * h * 2 * f),
+        ("gemm2", act, w2, w2_km, 2.0 * rows * f * h),
+    ):
+        want = torch._grouped_mm(a, w, offs=lay.ends)[:rows].float()
+        scale = float(want.abs().max())
+        runs: dict[str, Any] = {
+            "torch_grouped_mm": lambda a=a, w=w: torch._grouped_mm(a, w, offs=lay.ends),
+            "torch_grouped_mm_kmajor": lambda a=a, w=w_km: torch._grouped_mm(a, w, offs=lay.ends),
+        }
+        for cfg in CONFIGS:
+            for km in (False, True):
+                name = "triton_{}x{}x{}_w{}_s{}".format(*cfg) + ("_kmajor" if km else "")
+                runs[name] = lambda a=a, w=(w_km if km else w), cfg=cfg, km=km: triton_grouped_mm(
+                    a, w, lay.ends, cfg, km
+                )
+        for name, fn in runs.items():
+            rec: dict[str, Any] = {"gemm": gemm, "provider": name}
+            try:
+                got = fn()[:rows].float()
+                rec["max_rel_diff"] = float((got - want).abs().max()) / scale
+                rec.update(_measure(fn))
+                rec["tflops"] = flops / (rec["median_ms"] * 1e-3) / 1e12
+            except Exception as exc:  # a configuration Triton cannot build: recorded, not fatal
+                rec["error"] = repr(exc)[:400]
+            records.append(rec)
+            print(
+                gemm,
+                name,
+                {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in rec.items()},
+                flush=True,
+            )
+    # Kernel breakdown of the layer's forward (no grad) and forward with grad.
+    layer = MoEExperts(e, h, f, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    w = torch.rand(t, k, device=dev).softmax(-1)
+    profiles = {}
+    for label, grad in (("fwd_no_grad", False), ("fwd_grad", True)):
+
+        def run(grad: bool = grad) -> Any:
+            with torch.set_grad_enabled(grad):
+                return layer(x.requires_grad_(grad), idx, w)
+
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+        profiles[label] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(label, "\n", profiles[label], flush=True)
+        rec = {"gemm": "layer", "provider": f"lck_{label}"}
+        rec.update(_measure(run))
+        records.append(rec)
+        print(rec, flush=True)
+    stamp = _dt.date.today().isoformat()
+    commit = os.environ.get("LCK_COMMIT", "unknown")[:7]
+    path = args.out / f"grouped-gemm-probe-{gpu_slug()}-{stamp}-{commit}.json"
+    path.write_text(
+        json.dumps({"provenance": provenance(), "records": records, "profiles": profiles}, indent=1)
+    )
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
