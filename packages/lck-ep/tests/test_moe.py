@@ -124,31 +124,56 @@ def test_kernels_equal_torch(interpret, monkeypatch) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("experts", [1, 4, 7])
-def test_experimental_fused_gemm1_equals_the_three_passes(interpret, experts: int) -> None:
-    """lck_ep.moe.fused_gemm (timed by the benchmark, not used by the layer): gather + GEMM + weighted
-    SwiGLU in one kernel equals gather_rows, grouped.mm and swiglu_weighted_fwd on the rows in use."""
+@pytest.mark.parametrize(("experts", "alignment"), [(1, 1), (4, 1), (7, 3)])
+def test_triton_forward_gemms_equal_the_separate_passes(
+    interpret, monkeypatch, experts: int, alignment: int
+) -> None:
+    """grouped.gemm_swiglu (gathered from the tokens, or on rows already expanded; with and without h) and
+    grouped.mm_tiled equal gather_rows + grouped.mm + swiglu_weighted_fwd + grouped.mm on the rows in use,
+    with an expert without rows and padded segments; outputs poisoned first."""
     from lck_ep.moe import grouped, launch
-    from lck_ep.moe.fused_gemm import gather_gemm_swiglu
     from lck_ep.moe.permute import build_local_layout
 
     g = torch.Generator().manual_seed(experts)
-    t, h, f, k = 37, 48, 40, min(3, experts)
+    t, h, f, k = 37, 48, 32, min(3, experts)
     x, w1 = torch.randn(t, h, generator=g), torch.randn(experts, h, 2 * f, generator=g) / 7
+    w2 = torch.randn(experts, f, h, generator=g) / 5
     idx = torch.rand(t, experts, generator=g).argsort(1)[:, :k]
     idx[torch.rand(t, k, generator=g) < 0.3] = -1
     idx[idx == experts // 2] = -1  # an expert without rows
     w = torch.rand(t, k, generator=g)
-    lay = build_local_layout(idx, experts, 1)
+    lay = build_local_layout(idx, experts, alignment)
     x_e, w_e = launch.gather_rows(x, lay.entry, k, w.reshape(-1))
     h_ref = grouped.mm(x_e, w1, lay.ends)
     act_ref = launch.swiglu_weighted_fwd(h_ref, w_e, lay.ends)
-    hh, act = gather_gemm_swiglu(
-        x, lay.entry, k, w1, w_e, lay.ends, block_m=16, block_n=16, block_k=16, num_warps=1
-    )
+    y_ref = grouped.mm(act_ref, w2, lay.ends)
+    tiles = grouped.forward_tiles(x, w1, w2)
+    assert tiles is not None
+    poisoned = torch.full_like  # every output is allocated by the launches; check they write what they own
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(torch.zeros(*a, **kw), float("nan")))
+    hh, act = grouped.gemm_swiglu(x, lay.entry, k, w, w1, lay.ends, tiles, True)
+    h_none, act_rows = grouped.gemm_swiglu(x_e, None, 1, w_e, w1, lay.ends, tiles, False)
+    y = grouped.mm_tiled(act, w2, lay.ends, tiles)
+    monkeypatch.undo()
     used = int(lay.ends[-1])
     torch.testing.assert_close(hh[:used], h_ref[:used], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(act[:used], act_ref[:used], rtol=1e-5, atol=1e-5)
+    assert h_none is None and torch.equal(act_rows[:used], act[:used])
+    torch.testing.assert_close(y[:used], y_ref[:used], rtol=1e-5, atol=1e-5)
+
+
+def test_triton_forward_tiles_only_where_they_fit(interpret, monkeypatch) -> None:
+    from lck_ep.moe import grouped
+
+    x = torch.randn(4, 48)
+    assert grouped.forward_tiles(x, torch.randn(2, 48, 64), torch.randn(2, 32, 48)) is not None
+    assert grouped.forward_tiles(x, torch.randn(2, 48, 20), torch.randn(2, 10, 48)) is None  # ffn 10
+    assert grouped.forward_tiles(x, torch.randn(2, 64, 48).transpose(1, 2), torch.randn(2, 32, 48)) is None
+    monkeypatch.setenv("LCK_EP_MOE_FUSED", "0")
+    assert grouped.forward_tiles(x, torch.randn(2, 48, 64), torch.randn(2, 32, 48)) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("LCK_EP_MOE_FUSED")
+    assert grouped.forward_tiles(x, torch.randn(2, 48, 64), torch.randn(2, 32, 48)) is None  # CPU, no Triton
 
 
 @pytest.mark.parametrize("alignment", [1, 3, 8])

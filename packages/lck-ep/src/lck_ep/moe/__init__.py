@@ -2,9 +2,10 @@
 grouped GEMM → combine, forward and backward (:class:`MoEExperts`).
 
 Modules: ``module`` (the ``nn.Module``), ``function`` (the autograd function and retained forwards),
-``permute`` (the local expert-major layout), ``grouped`` (grouped GEMMs), ``kernels`` / ``launch``
-(Triton kernels and their launches), ``checks`` (argument checks), ``benchmark`` (``lck bench moe``),
-``fused_gemm`` (an experiment the benchmark times: the first GEMM fused with the gather and the activation).
+``permute`` (the local expert-major layout), ``grouped`` / ``gemm_kernels`` (grouped GEMMs: the forward's
+Triton kernels, the first fused with the row gather and the activation, and their launches),
+``kernels`` / ``launch`` (the row-wise Triton kernels and their launches), ``checks`` (argument checks),
+``benchmark`` (``lck bench moe``).
 """
 
 from lck_ep.moe.module import MoEExperts

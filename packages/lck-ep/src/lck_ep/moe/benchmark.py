@@ -12,10 +12,14 @@ shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Prov
   expert (no permutation, no weighting): the figure quoted in FACTS.md;
 - ``expert_loop``: a Python loop over experts with ``torch.matmul`` (Megatron's ``SequentialMLP``).
 
-On the GPU (without ``--only``) the first GEMM is also timed alone (bench ``moe_gemm1``, forward): the
-layer's three passes (row gather, ``torch._grouped_mm``, weighted SwiGLU) against the experimental fused
-kernel of :mod:`lck_ep.moe.fused_gemm` at a few tile configurations, with the largest relative difference of
-``act`` between them; whether the layer should take the fused kernel is for these rows to say.
+- ``lck_separate``: the same module with its Triton forward off (``LCK_EP_MOE_FUSED=0``): row gather,
+  ``torch._grouped_mm``, the weighted SwiGLU kernel, ``torch._grouped_mm``.
+
+On the GPU (without ``--only``) the forward GEMMs are also timed alone (benches ``moe_gemm1`` and
+``moe_gemm2``): the three passes the first one replaces (row gather, ``torch._grouped_mm``, weighted SwiGLU)
+against :func:`lck_ep.moe.grouped.gemm_swiglu` with and without ``h``, and ``torch._grouped_mm`` against
+:func:`lck_ep.moe.grouped.mm_tiled` for the second, with the largest difference relative to the largest
+magnitude of the output between them.
 
 Every row has the GPU time (:func:`time_cuda`: L2 flushed, host given a head start), the host time per call
 (:func:`host_ms`; empty where a provider synchronises) and the loop time (back to back), the peak memory
@@ -179,52 +183,53 @@ def _runner(
     return run
 
 
-# The first GEMM alone (forward): the layer's three passes against the experimental fused kernel
-# (lck_ep.moe.fused_gemm) at a few tile configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-GEMM1_CONFIGS = [(128, 64, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 32, 64, 4, 4)]
-
-
-def _gemm1_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> list[Any]:
+def _gemm_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> list[Any]:
+    """The forward GEMMs alone: torch's passes against lck's Triton kernels (benches moe_gemm1, moe_gemm2)."""
     import torch
 
     from lck_ep.moe import grouped, launch
-    from lck_ep.moe.fused_gemm import gather_gemm_swiglu
     from lck_ep.moe.permute import build_local_layout
     from lck_runtime.benchmarking import Record
 
     lay = build_local_layout(inp["idx"], shape.experts, 1)
     k = shape.topk
-    w_e = launch.gather_rows(inp["x"], lay.entry, k, inp["w"].reshape(-1))[1]
+    tw = inp["w"].float().contiguous()
+    x_e, w_e = launch.gather_rows(inp["x"], lay.entry, k, tw.reshape(-1))
+    tiles = grouped.forward_tiles(inp["x"], inp["w1"], inp["w2"])
+    act_in = launch.swiglu_weighted_fwd(grouped.mm(x_e, inp["w1"], lay.ends), w_e, lay.ends)
 
     def separate() -> Any:
-        x_e, _ = launch.gather_rows(inp["x"], lay.entry, k, None)
-        h = grouped.mm(x_e, inp["w1"], lay.ends)
-        return h, launch.swiglu_weighted_fwd(h, w_e, lay.ends)
+        rows, _ = launch.gather_rows(inp["x"], lay.entry, k, None)
+        return launch.swiglu_weighted_fwd(torch._grouped_mm(rows, inp["w1"], offs=lay.ends), w_e, lay.ends)
 
-    runs: dict[str, Callable[[], Any]] = {"lck_gather_grouped_mm_act": separate}
-    for bm, bn, bk, warps, stages in GEMM1_CONFIGS:
-        runs[f"triton_fused_{bm}x{bn}x{bk}_w{warps}_s{stages}"] = (
-            lambda bm=bm, bn=bn, bk=bk, warps=warps, stages=stages: gather_gemm_swiglu(
-                inp["x"], lay.entry, k, inp["w1"], w_e, lay.ends, block_m=bm, block_n=bn, block_k=bk,
-                num_warps=warps, num_stages=stages,
+    runs: dict[tuple[str, str], Callable[[], Any]] = {
+        ("moe_gemm1", "gather_grouped_mm_act"): separate,
+        ("moe_gemm2", "torch_grouped_mm"): lambda: torch._grouped_mm(act_in, inp["w2"], offs=lay.ends),
+    }
+    if tiles is not None:
+        for keep_h in (True, False):
+            runs[("moe_gemm1", f"lck_gemm_swiglu{'_with_h' if keep_h else ''}")] = lambda keep_h=keep_h: (
+                grouped.gemm_swiglu(inp["x"], lay.entry, k, tw, inp["w1"], lay.ends, tiles, keep_h)[1]
             )
-        )  # fmt: skip
+        runs[("moe_gemm2", "lck_mm_tiled")] = lambda: grouped.mm_tiled(act_in, inp["w2"], lay.ends, tiles)
     used = int(lay.ends[-1])
-    want = separate()[1][:used].float()
+    want = {"moe_gemm1": separate()[:used].float(), "moe_gemm2": runs[("moe_gemm2", "torch_grouped_mm")]()}
+    want["moe_gemm2"] = want["moe_gemm2"][:used].float()
     rows = []
-    for name, run in runs.items():
-        rec = Record("moe_gemm1", name, "fwd", shape.label, str(inp["x"].dtype).replace("torch.", ""))
+    for (bench, name), run in runs.items():
+        rec = Record(bench, name, "fwd", shape.label, str(inp["x"].dtype).replace("torch.", ""))
         try:
             with torch.no_grad():
                 got = _measure(run, cuda, False, iters)
-                act = run()[1][:used].float()
+                out = run()[:used].float()
             rec.median_ms, rec.p20_ms, rec.p80_ms = got["median_ms"], got["p20_ms"], got["p80_ms"]
             rec.peak_mib = got["peak_mib"]
+            flops = (4.0 if bench == "moe_gemm1" else 2.0) * shape.tokens * k * shape.hidden * shape.ffn
             rec.extra = {
                 "host_ms": got["host_ms"],
                 "loop_ms": got["loop_ms"],
-                "tflops": 4.0 * shape.tokens * k * shape.hidden * shape.ffn / (rec.median_ms * 1e-3) / 1e12,
-                "max_rel_diff_act": float((act - want).abs().max() / want.abs().max().clamp(min=1e-30)),
+                "tflops": flops / (rec.median_ms * 1e-3) / 1e12,
+                "max_rel_diff": _max_rel_diff(out, want[bench]),
             }
         except Exception as exc:
             rec.error = repr(exc)
@@ -232,8 +237,26 @@ def _gemm1_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> li
     return rows
 
 
+def _lck_separate(inp: dict[str, Any], shape: Shape) -> Callable[[bool], Any]:
+    run = _lck(inp, shape)
+
+    def separate(backward: bool) -> Any:
+        old = os.environ.get("LCK_EP_MOE_FUSED")
+        os.environ["LCK_EP_MOE_FUSED"] = "0"
+        try:
+            return run(backward)
+        finally:
+            if old is None:
+                del os.environ["LCK_EP_MOE_FUSED"]
+            else:
+                os.environ["LCK_EP_MOE_FUSED"] = old
+
+    return separate
+
+
 PROVIDERS: dict[str, Callable[[dict[str, Any], Shape], Callable[[bool], Any]]] = {
     "lck": _lck,
+    "lck_separate": _lck_separate,
     "grouped_mm_eager": _eager_layer,
     "grouped_mm_eager_sorted": _eager_sorted,
     "expert_loop": _expert_loop,
@@ -337,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 bar.step(note)
         if cuda and not args.only:
-            records += _gemm1_rows(inp, shape, cuda, args.iters)
+            records += _gemm_rows(inp, shape, cuda, args.iters)
     slug = gpu_slug() if cuda else "cpu"
     stem = f"{slug}-{_dt.date.today().isoformat()}-moe"
     meta = {

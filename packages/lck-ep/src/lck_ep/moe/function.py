@@ -7,6 +7,10 @@ Forward, for this rank's ``L`` experts:
 2. ``h = x_e @ W1[j]`` per expert segment (grouped GEMM, :mod:`lck_ep.moe.grouped`);
 3. ``act = w * silu(h[:, :F]) * h[:, F:]`` with each row's routing weight ``w`` (one Triton kernel);
 4. ``y_e = act @ W2[j]`` (grouped GEMM);
+
+Where the Triton forward serves the operands (``grouped.forward_tiles``), steps 2 and 3 are one kernel
+that also gathers the local path's rows from the tokens (no ``x_e`` is written; the backward gathers it
+again) and writes ``h`` only when a backward will need it, and step 4 is lck's grouped GEMM.
 5. back to tokens: ``out[t] = sum over k ascending of y_e[row of (t, k)]`` in float32, cast once (locally,
    or ``Buffer.combine`` without weights, whose documented order is the same on one rank and adds the
    ranks' partials in rank order), so results are reproducible bit for bit.
@@ -124,25 +128,38 @@ class MoEFunction(torch.autograd.Function):
         idx = topk_idx.to(torch.int64)
         tw = topk_weights.to(torch.float32).contiguous()
         buf = plan.buffer
+        x = x.contiguous()
+        tiles = grouped.forward_tiles(x, w1, w2)
+        ctx.regather = False  # the local path saved the tokens and weights, not their expert-major rows
         if buf is None:
             if idx.device.type == "cuda" and idx.numel():
                 # A device-side assertion instead of a host read: the local path stays free of syncs.
                 torch._assert_async(((idx >= -1) & (idx < plan.num_experts)).all())
             layout = build_local_layout(idx, plan.num_experts, plan.alignment)
-            x_e, w_e = launch.gather_rows(x.contiguous(), layout.entry, k, tw.reshape(-1))
-            assert w_e is not None
-            h, y_e = _experts_fwd(x_e, w_e, w1, w2, layout.ends)
+            if tiles is not None:
+                h, act = grouped.gemm_swiglu(x, layout.entry, k, tw, w1, layout.ends, tiles, plan.retain)
+                y_e = grouped.mm_tiled(act, w2, layout.ends, tiles)
+                del act
+                rows, row_w = x, tw
+                ctx.regather = True
+            else:
+                rows, row_w = launch.gather_rows(x, layout.entry, k, tw.reshape(-1))
+                assert row_w is not None
+                h, y_e = _experts_fwd(rows, row_w, w1, w2, layout.ends)
             out = launch.reduce_rows(y_e, layout.index)
-            saved = (x_e, h, w_e, layout.ends, layout.entry, layout.index)
+            saved = (rows, h, row_w, layout.ends, layout.entry, layout.index)
             handle = None
         else:
-            d = buf.dispatch(
-                x.contiguous(), idx.contiguous(), tw, expand=True, expert_alignment=plan.alignment
-            )
+            d = buf.dispatch(x, idx.contiguous(), tw, expand=True, expert_alignment=plan.alignment)
             handle = d.handle
             ends = handle.expert_offsets[1:].to(torch.int32)
             w_e = _expanded_weights(d.recv_topk_weights, handle.expanded_src_row, handle.expanded_slot)
-            h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends)
+            if tiles is not None:
+                h, act = grouped.gemm_swiglu(d.recv_x, None, 1, w_e, w1, ends, tiles, plan.retain)
+                y_e = grouped.mm_tiled(act, w2, ends, tiles)
+                del act
+            else:
+                h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends)
             out = buf.combine(y_e, handle).combined_x
             saved = (d.recv_x, h, w_e, ends, idx)
         del y_e
@@ -179,6 +196,8 @@ class MoEFunction(torch.autograd.Function):
         buf = plan.buffer
         if buf is None:
             x_e, h, w_e, ends, entry_rows, index = saved
+            if ctx.regather:  # the fused forward kept the tokens and their [T, K] weights
+                x_e, w_e = launch.gather_rows(x_e, entry_rows, ctx.num_topk, w_e.reshape(-1))
             dy_e, _ = launch.gather_rows(dout, entry_rows, ctx.num_topk, None)
             dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends, ctx.needs_input_grad)
             dx = launch.reduce_rows(dx_e, index)

@@ -32,7 +32,7 @@ def _kernels():  # imported on first use: `import lck_ep.moe` stays cheap
     return kernels
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -40,7 +40,7 @@ def _next_pow2(n: int) -> int:
 def _row_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row-wise kernel over ``n_cols`` columns."""
     # A power of two that divides the row (768 → 256) wastes no lanes; else the next power of two.
-    block_n = next((c for c in (1024, 512, 256, 128) if n_cols % c == 0), min(_next_pow2(n_cols), 1024))
+    block_n = next((c for c in (1024, 512, 256, 128) if n_cols % c == 0), min(next_pow2(n_cols), 1024))
     block_m = max(1, _ROW_TILE // block_n)
     warps = 4 if block_m * block_n >= 1024 else 1
     return block_m, block_n, warps
@@ -65,7 +65,7 @@ def gather_rows(
             picked = w_flat.index_select(0, entry.clamp(min=0)) if w_flat.numel() else torch.zeros_like(w_out)
             w_out.copy_(torch.where(entry >= 0, picked, 0.0))
         return out, w_out
-    block_n = min(_next_pow2(h), 1024)
+    block_n = min(next_pow2(h), 1024)
     block_m = max(1, 2048 // block_n)
     grid = (triton_cdiv(m, block_m), triton_cdiv(h, block_n))
     _kernels()._gather_rows_kernel[grid](
@@ -118,7 +118,7 @@ def swiglu_weighted_bwd(
         act.copy_(a * w.unsqueeze(1))
         return dh, dw, act
     # Whole rows per program (the weight gradient is a row sum): a few rows of up to 256 columns at a time.
-    bn = min(_next_pow2(f), 256)
+    bn = min(next_pow2(f), 256)
     bm = max(1, 1024 // bn)
     _kernels()._swiglu_weighted_bwd_kernel[(triton_cdiv(m, bm),)](
         h, w, dact, dh, dw, act, ends[-1:], m, f, h.stride(0), dact.stride(0), dh.stride(0), act.stride(0),
@@ -143,7 +143,7 @@ def reduce_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             acc = acc + torch.where((idx >= 0).unsqueeze(1), rows, 0.0)
         out.copy_(acc)
         return out
-    block_n = min(_next_pow2(h), 1024)
+    block_n = min(next_pow2(h), 1024)
     _kernels()._reduce_rows_kernel[(t, triton_cdiv(h, block_n))](
         y, index, out, h, k, y.stride(0), out.stride(0), BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Triton grouped GEMMs of the MoE experts layer's forward, over the expert-major layout.
+
+Both kernels tile each expert's segment of rows (``ends`` ``[E]`` int32, cumulative) separately: program
+``p`` takes row tile ``p // n_tiles`` of the list of every expert's row tiles and column tile
+``p % n_tiles``. Each program finds its expert from ``ends`` itself (a prefix sum over at most a few
+hundred experts, in registers), so nothing is read on the host and the grid is sized for the most tiles
+any routing can need (``cdiv(M, BLOCK_M) + E`` row tiles); programs past the last tile return at once.
+Weights are read through TMA descriptors of the contiguous ``[E * K, N]`` weight matrix; rows of another
+expert that a tile's loads bring in are masked at the store.
+
+- ``_swiglu_gemm_kernel``: ``act = w * silu(g) * u`` with ``[g, u] = a @ W1[e]``, the gate and up column
+  tiles of one program side by side (two accumulators), the rows gathered from the tokens through the
+  layout's ``entry`` (``GATHER``: no expert-major copy of ``x``) or read in place (rows the Buffer already
+  expanded); writes ``h = [g, u]`` as well when a backward needs it (``WRITE_H``). ``act`` is computed from
+  the rounded ``h``, as the separate activation kernel (``kernels.py``) computes it.
+- ``_grouped_gemm_kernel``: ``out[rows of e] = a[rows of e] @ W[e]``.
+
+Measured on one H200 at the Qwen3-30B-A3B expert shape (``benchmarks/grouped_gemm_probe.py``), the plain
+kernel at 128×256×64 tiles is 3-4% faster than ``torch._grouped_mm``; the fused one also saves the row
+gather and the activation's pass over ``h``. Launches and tile choice: ``grouped.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# fmt: off
+
+
+@triton.jit
+def _expert_tile(ends_ptr, mt, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, segment end, live) of row tile ``mt``; ``live`` is false past the last tile."""
+    e_ids = tl.arange(0, E_BLOCK)
+    in_e = e_ids < NUM_E
+    ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
+    starts = tl.load(ends_ptr + e_ids - 1, mask=in_e & (e_ids > 0), other=0)
+    tiles = tl.where(in_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= mt).to(tl.int32), 0)  # experts without rows have no tile and are stepped over
+    sel = e_ids == e
+    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    start = tl.sum(tl.where(sel, starts, 0), 0)
+    end = tl.sum(tl.where(sel, ends, 0), 0)
+    return e, start + (mt - first) * BLOCK_M, end, mt < tl.sum(tiles, 0)
+
+
+@triton.jit
+def _swiglu_gemm_kernel(
+    a_ptr, entry_ptr, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, num_topk, stride_a, stride_h,
+    stride_act, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, GATHER: tl.constexpr, WRITE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Row tile x (gate, up) column tiles ``nt`` of ``h = a_rows @ W1[e]``, then the weighted SwiGLU.
+
+    ``GATHER``: row m is token ``entry[m] // num_topk`` of ``a`` (a zero row where ``entry[m] < 0``) with
+    routing weight ``w[entry[m]]`` (``w`` the flat ``[T * K]`` float32 weights); else row m of ``a`` with
+    weight ``w[m]``. ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
+    pid = tl.program_id(0)
+    n_tiles = ffn // BLOCK_N
+    mt = pid // n_tiles
+    nt = pid - mt * n_tiles
+    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    if live:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        if GATHER:
+            ent = tl.load(entry_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+            a_ok = ent >= 0
+            src = tl.where(a_ok, ent // num_topk, 0)
+            w = tl.load(w_ptr + tl.where(a_ok, ent, 0), mask=a_ok, other=0.0)
+        else:
+            a_ok = row_ok
+            src = rows.to(tl.int64)
+            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + src[:, None] * stride_a + ks[None, :]
+        col0 = nt * BLOCK_N
+        b_row = e * hidden
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+            a_ptrs += BLOCK_K
+        g = acc_g.to(act_ptr.dtype.element_ty)
+        u = acc_u.to(act_ptr.dtype.element_ty)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        r64 = rows.to(tl.int64)
+        out_ok = row_ok[:, None] & (cols < ffn)[None, :]
+        if WRITE_H:
+            h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
+            tl.store(h_rows, g, mask=out_ok)
+            tl.store(h_rows + ffn, u, mask=out_ok)
+        gf = g.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+        tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=out_ok)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
+    ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
+    pid = tl.program_id(0)
+    n_tiles = n_cols // BLOCK_N
+    mt = pid // n_tiles
+    nt = pid - mt * n_tiles
+    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    if live:
+        col0 = nt * BLOCK_N
+        b_row = e * k_dim
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_dim, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k]), b_desc.load([b_row + k, col0]), acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
+
+
+# fmt: on
