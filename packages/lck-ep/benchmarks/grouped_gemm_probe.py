@@ -9,7 +9,9 @@ random routing) on one GPU, three questions, answered side by side in one proces
 2. a Triton grouped GEMM over the same expert-major rows (TMA loads, one expert per row tile, rows of
    other experts masked at the store) at several tile configurations, with its largest difference from
    ``torch._grouped_mm`` relative to the output's largest magnitude;
-3. the GPU time of every kernel of :class:`lck_ep.MoEExperts`' forward (``torch.profiler``).
+3. the GPU time of every kernel of :class:`lck_ep.MoEExperts`' forward (``torch.profiler``);
+4. (``--part tiles``) lck's fused first GEMM (:func:`lck_ep.moe.grouped.gemm_swiglu`) at several tiles, and
+   the row gather and per-token reduction kernels at several block shapes.
 
 Every timed row has GPU time (L2 flushed, host given a head start), host time and loop time. Output:
 ``<out>/grouped-gemm-probe-<gpu>-<date>-<commit>.json``.
@@ -108,6 +110,65 @@ CONFIGS = [
 ]
 
 
+def _tiles(lay: Any, x_e: Any, w1: Any, w2: Any, t: int, k: int) -> list[dict[str, Any]]:
+    """gemm_swiglu at several tiles; gather_rows and reduce_rows kernels at several block shapes."""
+    from lck_ep.moe import grouped, kernels, launch
+
+    out: list[dict[str, Any]] = []
+    w_e = torch.rand(x_e.shape[0], device=x_e.device)
+    rows = int(lay.ends[-1])
+    want = None
+    for cfg in [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4),
+                (64, 128, 64, 4, 4), (128, 128, 32, 8, 4)]:  # fmt: skip
+        tiles = grouped.Tiles(cfg, (128, 256, 64, 8, 4))
+        for keep_h in (True, False):
+            rec: dict[str, Any] = {
+                "gemm": "gemm_swiglu",
+                "provider": "lck_{}x{}x{}_w{}_s{}".format(*cfg) + ("_h" * keep_h),
+            }
+            try:
+                fn = lambda tiles=tiles, keep_h=keep_h: grouped.gemm_swiglu(
+                    x_e, w_e, w1, lay.ends, tiles, keep_h
+                )[1]
+                got = fn()[:rows].float()
+                want = got if want is None else want
+                rec["max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+                rec.update(_measure(fn))
+            except Exception as exc:
+                rec["error"] = repr(exc)[:400]
+            out.append(rec)
+            print(rec, flush=True)
+    x = torch.randn(t, x_e.shape[1], device=x_e.device, dtype=x_e.dtype)
+    wf = torch.rand(t * k, device=x_e.device)
+    m, hd = lay.entry.numel(), x.shape[1]
+    for bm, bn, warps in [(2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (1, 2048, 8), (4, 2048, 8), (8, 256, 4)]:
+        o = torch.empty(m, hd, device=x.device, dtype=x.dtype)
+        wo = torch.empty(m, device=x.device)
+
+        def gather(bm=bm, bn=bn, warps=warps, o=o, wo=wo):
+            kernels._gather_rows_kernel[(launch.triton_cdiv(m, bm), launch.triton_cdiv(hd, bn))](
+                x, wf, lay.entry, o, wo, m, hd, k, x.stride(0), o.stride(0), HAS_W=True, BLOCK_M=bm,
+                BLOCK_N=bn, num_warps=warps,
+            )  # fmt: skip
+
+        rec = {"gemm": "gather_rows", "provider": f"bm{bm}_bn{bn}_w{warps}", **_measure(gather)}
+        out.append(rec)
+        print(rec, flush=True)
+    y = torch.randn(m, hd, device=x.device, dtype=x.dtype)
+    for bn, warps in [(1024, 4), (2048, 4), (2048, 8), (512, 2), (512, 4), (256, 2)]:
+        o = torch.empty(t, hd, device=x.device, dtype=x.dtype)
+
+        def reduce(bn=bn, warps=warps, o=o):
+            kernels._reduce_rows_kernel[(t, launch.triton_cdiv(hd, bn))](
+                y, lay.index, o, hd, k, y.stride(0), o.stride(0), BLOCK_N=bn, num_warps=warps
+            )
+
+        rec = {"gemm": "reduce_rows", "provider": f"bn{bn}_w{warps}", **_measure(reduce)}
+        out.append(rec)
+        print(rec, flush=True)
+    return out
+
+
 def _measure(fn: Any) -> dict[str, Any]:
     from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
@@ -124,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--part", choices=["all", "tiles"], default="all")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -139,9 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     w1_km = w1.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K contiguous
     w2_km = w2.transpose(1, 2).contiguous().transpose(1, 2)
     records: list[dict[str, Any]] = []
+    if args.part == "tiles":
+        records += _tiles(lay, x_e, w1, w2, t, k)
     for gemm, a, w, w_km, flops in (
-        ("gemm1", x_e, w1, w1_km, 2.0 * rows * h * 2 * f),
-        ("gemm2", act, w2, w2_km, 2.0 * rows * f * h),
+        ()
+        if args.part == "tiles"
+        else (
+            ("gemm1", x_e, w1, w1_km, 2.0 * rows * h * 2 * f),
+            ("gemm2", act, w2, w2_km, 2.0 * rows * f * h),
+        )
     ):
         want = torch._grouped_mm(a, w, offs=lay.ends)[:rows].float()
         scale = float(want.abs().max())

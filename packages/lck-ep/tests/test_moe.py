@@ -128,9 +128,9 @@ def test_kernels_equal_torch(interpret, monkeypatch) -> None:
 def test_triton_forward_gemms_equal_the_separate_passes(
     interpret, monkeypatch, experts: int, alignment: int
 ) -> None:
-    """grouped.gemm_swiglu (gathered from the tokens, or on rows already expanded; with and without h) and
-    grouped.mm_tiled equal gather_rows + grouped.mm + swiglu_weighted_fwd + grouped.mm on the rows in use,
-    with an expert without rows and padded segments; outputs poisoned first."""
+    """grouped.gemm_swiglu (with and without h) and grouped.mm_tiled equal grouped.mm +
+    swiglu_weighted_fwd + grouped.mm on the rows in use, with an expert without rows and padded segments;
+    every output poisoned first."""
     from lck_ep.moe import grouped, launch
     from lck_ep.moe.permute import build_local_layout
 
@@ -149,16 +149,16 @@ def test_triton_forward_gemms_equal_the_separate_passes(
     y_ref = grouped.mm(act_ref, w2, lay.ends)
     tiles = grouped.forward_tiles(x, w1, w2)
     assert tiles is not None
-    poisoned = torch.full_like  # every output is allocated by the launches; check they write what they own
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(torch.zeros(*a, **kw), float("nan")))
-    hh, act = grouped.gemm_swiglu(x, lay.entry, k, w, w1, lay.ends, tiles, True)
-    h_none, act_rows = grouped.gemm_swiglu(x_e, None, 1, w_e, w1, lay.ends, tiles, False)
+    empty = torch.empty  # outputs are allocated by the launches: NaN-fill them to see what they write
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    hh, act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, True)
+    h_none, act_no_h = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)
     y = grouped.mm_tiled(act, w2, lay.ends, tiles)
     monkeypatch.undo()
     used = int(lay.ends[-1])
     torch.testing.assert_close(hh[:used], h_ref[:used], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(act[:used], act_ref[:used], rtol=1e-5, atol=1e-5)
-    assert h_none is None and torch.equal(act_rows[:used], act[:used])
+    assert h_none is None and torch.equal(act_no_h[:used], act[:used])
     torch.testing.assert_close(y[:used], y_ref[:used], rtol=1e-5, atol=1e-5)
 
 

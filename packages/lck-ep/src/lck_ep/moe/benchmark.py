@@ -16,8 +16,8 @@ shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Prov
   ``torch._grouped_mm``, the weighted SwiGLU kernel, ``torch._grouped_mm``.
 
 On the GPU (without ``--only``) the forward GEMMs are also timed alone (benches ``moe_gemm1`` and
-``moe_gemm2``): the three passes the first one replaces (row gather, ``torch._grouped_mm``, weighted SwiGLU)
-against :func:`lck_ep.moe.grouped.gemm_swiglu` with and without ``h``, and ``torch._grouped_mm`` against
+``moe_gemm2``): the two passes the first one replaces (``torch._grouped_mm``, weighted SwiGLU) against
+:func:`lck_ep.moe.grouped.gemm_swiglu` with and without ``h``, and ``torch._grouped_mm`` against
 :func:`lck_ep.moe.grouped.mm_tiled` for the second, with the largest difference relative to the largest
 magnitude of the output between them.
 
@@ -199,17 +199,16 @@ def _gemm_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> lis
     act_in = launch.swiglu_weighted_fwd(grouped.mm(x_e, inp["w1"], lay.ends), w_e, lay.ends)
 
     def separate() -> Any:
-        rows, _ = launch.gather_rows(inp["x"], lay.entry, k, None)
-        return launch.swiglu_weighted_fwd(torch._grouped_mm(rows, inp["w1"], offs=lay.ends), w_e, lay.ends)
+        return launch.swiglu_weighted_fwd(torch._grouped_mm(x_e, inp["w1"], offs=lay.ends), w_e, lay.ends)
 
     runs: dict[tuple[str, str], Callable[[], Any]] = {
-        ("moe_gemm1", "gather_grouped_mm_act"): separate,
+        ("moe_gemm1", "grouped_mm_act"): separate,
         ("moe_gemm2", "torch_grouped_mm"): lambda: torch._grouped_mm(act_in, inp["w2"], offs=lay.ends),
     }
     if tiles is not None:
         for keep_h in (True, False):
             runs[("moe_gemm1", f"lck_gemm_swiglu{'_with_h' if keep_h else ''}")] = lambda keep_h=keep_h: (
-                grouped.gemm_swiglu(inp["x"], lay.entry, k, tw, inp["w1"], lay.ends, tiles, keep_h)[1]
+                grouped.gemm_swiglu(x_e, w_e, inp["w1"], lay.ends, tiles, keep_h)[1]
             )
         runs[("moe_gemm2", "lck_mm_tiled")] = lambda: grouped.mm_tiled(act_in, inp["w2"], lay.ends, tiles)
     used = int(lay.ends[-1])

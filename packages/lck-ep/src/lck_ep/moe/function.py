@@ -9,8 +9,8 @@ Forward, for this rank's ``L`` experts:
 4. ``y_e = act @ W2[j]`` (grouped GEMM);
 
 Where the Triton forward serves the operands (``grouped.forward_tiles``), steps 2 and 3 are one kernel
-that also gathers the local path's rows from the tokens (no ``x_e`` is written; the backward gathers it
-again) and writes ``h`` only when a backward will need it, and step 4 is lck's grouped GEMM.
+(the activation is its epilogue; it writes ``h`` only when a backward will need it) and step 4 is lck's
+grouped GEMM.
 5. back to tokens: ``out[t] = sum over k ascending of y_e[row of (t, k)]`` in float32, cast once (locally,
    or ``Buffer.combine`` without weights, whose documented order is the same on one rank and adds the
    ranks' partials in rank order), so results are reproducible bit for bit.
@@ -87,9 +87,19 @@ def _per_slot(dw_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _experts_fwd(
-    x_e: torch.Tensor, w_e: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h [M, 2F], y_e [M, H])``; ``act`` is not kept (the backward kernel writes it again)."""
+    x_e: torch.Tensor,
+    w_e: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    tiles: grouped.Tiles | None,
+    keep_h: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(h [M, 2F], y_e [M, H])``; ``act`` is not kept (the backward kernel writes it again), nor ``h``
+    on the Triton forward when no backward follows (``keep_h`` false)."""
+    if tiles is not None and grouped.tma_rows(x_e):
+        h, act = grouped.gemm_swiglu(x_e, w_e, w1, ends, tiles, keep_h)
+        return h, grouped.mm_tiled(act, w2, ends, tiles)
     h = grouped.mm(x_e, w1, ends)
     act = launch.swiglu_weighted_fwd(h, w_e, ends)
     return h, grouped.mm(act, w2, ends)
@@ -130,36 +140,23 @@ class MoEFunction(torch.autograd.Function):
         buf = plan.buffer
         x = x.contiguous()
         tiles = grouped.forward_tiles(x, w1, w2)
-        ctx.regather = False  # the local path saved the tokens and weights, not their expert-major rows
         if buf is None:
             if idx.device.type == "cuda" and idx.numel():
                 # A device-side assertion instead of a host read: the local path stays free of syncs.
                 torch._assert_async(((idx >= -1) & (idx < plan.num_experts)).all())
             layout = build_local_layout(idx, plan.num_experts, plan.alignment)
-            if tiles is not None:
-                h, act = grouped.gemm_swiglu(x, layout.entry, k, tw, w1, layout.ends, tiles, plan.retain)
-                y_e = grouped.mm_tiled(act, w2, layout.ends, tiles)
-                del act
-                rows, row_w = x, tw
-                ctx.regather = True
-            else:
-                rows, row_w = launch.gather_rows(x, layout.entry, k, tw.reshape(-1))
-                assert row_w is not None
-                h, y_e = _experts_fwd(rows, row_w, w1, w2, layout.ends)
+            x_e, w_e = launch.gather_rows(x, layout.entry, k, tw.reshape(-1))
+            assert w_e is not None
+            h, y_e = _experts_fwd(x_e, w_e, w1, w2, layout.ends, tiles, plan.retain)
             out = launch.reduce_rows(y_e, layout.index)
-            saved = (rows, h, row_w, layout.ends, layout.entry, layout.index)
+            saved = (x_e, h, w_e, layout.ends, layout.entry, layout.index)
             handle = None
         else:
             d = buf.dispatch(x, idx.contiguous(), tw, expand=True, expert_alignment=plan.alignment)
             handle = d.handle
             ends = handle.expert_offsets[1:].to(torch.int32)
             w_e = _expanded_weights(d.recv_topk_weights, handle.expanded_src_row, handle.expanded_slot)
-            if tiles is not None:
-                h, act = grouped.gemm_swiglu(d.recv_x, None, 1, w_e, w1, ends, tiles, plan.retain)
-                y_e = grouped.mm_tiled(act, w2, ends, tiles)
-                del act
-            else:
-                h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends)
+            h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends, tiles, plan.retain)
             out = buf.combine(y_e, handle).combined_x
             saved = (d.recv_x, h, w_e, ends, idx)
         del y_e
@@ -196,8 +193,6 @@ class MoEFunction(torch.autograd.Function):
         buf = plan.buffer
         if buf is None:
             x_e, h, w_e, ends, entry_rows, index = saved
-            if ctx.regather:  # the fused forward kept the tokens and their [T, K] weights
-                x_e, w_e = launch.gather_rows(x_e, entry_rows, ctx.num_topk, w_e.reshape(-1))
             dy_e, _ = launch.gather_rows(dout, entry_rows, ctx.num_topk, None)
             dx_e, dw_rows, dw1, dw2 = _experts_bwd(x_e, h, w_e, dy_e, w1, w2, ends, ctx.needs_input_grad)
             dx = launch.reduce_rows(dx_e, index)

@@ -9,15 +9,16 @@ Weights are read through TMA descriptors of the contiguous ``[E * K, N]`` weight
 expert that a tile's loads bring in are masked at the store.
 
 - ``_swiglu_gemm_kernel``: ``act = w * silu(g) * u`` with ``[g, u] = a @ W1[e]``, the gate and up column
-  tiles of one program side by side (two accumulators), the rows gathered from the tokens through the
-  layout's ``entry`` (``GATHER``: no expert-major copy of ``x``) or read in place (rows the Buffer already
-  expanded); writes ``h = [g, u]`` as well when a backward needs it (``WRITE_H``). ``act`` is computed from
-  the rounded ``h``, as the separate activation kernel (``kernels.py``) computes it.
+  tiles of one program side by side (two accumulators), so the activation needs no pass over ``h``; writes
+  ``h = [g, u]`` as well when a backward needs it (``WRITE_H``). ``act`` is computed from the rounded
+  ``h``, as the separate activation kernel (``kernels.py``) computes it. (Gathering the rows from the tokens
+  inside this kernel, with pointer loads instead of TMA, was slower on an H200 than the separate gather:
+  0.83-0.86 against 0.66 ms for the GEMM alone.)
 - ``_grouped_gemm_kernel``: ``out[rows of e] = a[rows of e] @ W[e]``.
 
 Measured on one H200 at the Qwen3-30B-A3B expert shape (``benchmarks/grouped_gemm_probe.py``), the plain
-kernel at 128×256×64 tiles is 3-4% faster than ``torch._grouped_mm``; the fused one also saves the row
-gather and the activation's pass over ``h``. Launches and tile choice: ``grouped.py``.
+kernel at 128×256×64 tiles is 3-4% faster than ``torch._grouped_mm``. Launches and tile choice:
+``grouped.py``.
 """
 
 from __future__ import annotations
@@ -47,45 +48,31 @@ def _expert_tile(ends_ptr, mt, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK
 
 @triton.jit
 def _swiglu_gemm_kernel(
-    a_ptr, entry_ptr, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, num_topk, stride_a, stride_h,
-    stride_act, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, GATHER: tl.constexpr, WRITE_H: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act, NUM_E: tl.constexpr,
+    E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Row tile x (gate, up) column tiles ``nt`` of ``h = a_rows @ W1[e]``, then the weighted SwiGLU.
-
-    ``GATHER``: row m is token ``entry[m] // num_topk`` of ``a`` (a zero row where ``entry[m] < 0``) with
-    routing weight ``w[entry[m]]`` (``w`` the flat ``[T * K]`` float32 weights); else row m of ``a`` with
-    weight ``w[m]``. ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
+    """Row tile x (gate, up) column tiles ``nt`` of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
+    with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
+    ``[BLOCK_M, BLOCK_K]`` blocks; ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``."""
     pid = tl.program_id(0)
     n_tiles = ffn // BLOCK_N
     mt = pid // n_tiles
     nt = pid - mt * n_tiles
     e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
     if live:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        if GATHER:
-            ent = tl.load(entry_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-            a_ok = ent >= 0
-            src = tl.where(a_ok, ent // num_topk, 0)
-            w = tl.load(w_ptr + tl.where(a_ok, ent, 0), mask=a_ok, other=0.0)
-        else:
-            a_ok = row_ok
-            src = rows.to(tl.int64)
-            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + src[:, None] * stride_a + ks[None, :]
         col0 = nt * BLOCK_N
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, hidden, BLOCK_K):
-            a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+            a = a_desc.load([row0, k])
             acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
             acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
-            a_ptrs += BLOCK_K
         g = acc_g.to(act_ptr.dtype.element_ty)
         u = acc_u.to(act_ptr.dtype.element_ty)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
         cols = col0 + tl.arange(0, BLOCK_N)
         r64 = rows.to(tl.int64)
         out_ok = row_ok[:, None] & (cols < ffn)[None, :]
@@ -93,6 +80,7 @@ def _swiglu_gemm_kernel(
             h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
             tl.store(h_rows, g, mask=out_ok)
             tl.store(h_rows + ffn, u, mask=out_ok)
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
         gf = g.to(tl.float32)
         act = gf * tl.sigmoid(gf) * u.to(tl.float32)
         tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),

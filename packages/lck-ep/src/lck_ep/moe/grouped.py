@@ -3,7 +3,7 @@ GEMM fused with the row gather and the weighted SwiGLU, and the second GEMM) whe
 ``torch._grouped_mm`` (CUTLASS on Hopper/Blackwell) for bf16 on CUDA otherwise and in the backward, and a
 loop of ``torch.matmul`` over experts elsewhere.
 
-The Triton forward serves CUDA bf16/fp16 on compute capability 9.x and later (TMA) with contiguous expert
+The Triton forward (the first GEMM with the weighted SwiGLU as its epilogue, the second plain) serves CUDA bf16/fp16 on compute capability 9.x and later (TMA) with contiguous expert
 weights, ``hidden`` a multiple of 64 and ``ffn`` a multiple of 64, and the Triton interpreter on CPU (small
 tiles, for the tests); ``LCK_EP_MOE_FUSED=0`` turns it off (the three separate passes then run).
 
@@ -70,7 +70,7 @@ def forward_tiles(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Tiles 
     """The Triton forward's tiles for these operands, or None where it does not serve them (see above)."""
     if os.environ.get("LCK_EP_MOE_FUSED", "1") == "0":
         return None
-    if not (w1.is_contiguous() and w2.is_contiguous()) or w1.data_ptr() % 16 or w2.data_ptr() % 16:
+    if not (tma_rows(w1) and tma_rows(w2)):
         return None
     hidden, ffn = w1.shape[1], w1.shape[2] // 2
     if x.device.type == "cuda":
@@ -87,6 +87,11 @@ def forward_tiles(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Tiles 
     if bn1 is None or bn2 is None or hidden % bk or ffn % bk:
         return None
     return Tiles((bm, bn1, bk, warps, stages), (bm, bn2, bk, warps, stages))
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows can be read through a TMA descriptor (contiguous, 16-byte aligned)."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 @functools.cache
@@ -106,35 +111,25 @@ def _grid_rows(m: int, num_experts: int, block_m: int) -> int:
 
 
 def gemm_swiglu(
-    a: torch.Tensor,
-    entry: torch.Tensor | None,
-    num_topk: int,
-    w: torch.Tensor,
-    w1: torch.Tensor,
-    ends: torch.Tensor,
-    tiles: Tiles,
-    keep_h: bool,
+    a: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, ends: torch.Tensor, tiles: Tiles, keep_h: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(h [M, 2F] or None, act [M, F])`` of ``h = rows @ W1[e]``, ``act = w * silu(h[:, :F]) * h[:, F:]``.
-
-    With ``entry`` (``[M]``, the local layout's): row m is token ``entry[m] // num_topk`` of ``a`` (zero
-    where ``entry[m] < 0``) and ``w`` the flat ``[T * K]`` float32 routing weights; without, ``a`` holds the
-    ``M`` expanded rows and ``w`` their ``[M]`` weights. ``h`` only when ``keep_h``; rows past ``ends[-1]``
-    are left undefined. No host synchronisation."""
-    m = entry.numel() if entry is not None else a.shape[0]
+    """``(h [M, 2F] or None, act [M, F])``: ``h = a @ W1[e]`` per expert segment and
+    ``act = w * silu(h[:, :F]) * h[:, F:]`` with the rows' ``[M]`` float32 routing weights ``w``, as
+    :func:`mm` and ``launch.swiglu_weighted_fwd`` give them (``a`` ``[M, hidden]`` contiguous). ``h`` only
+    when ``keep_h``; rows past ``ends[-1]`` are left undefined. No host synchronisation."""
+    m = a.shape[0]
     e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
     act = torch.empty(m, ffn, dtype=a.dtype, device=a.device)
     h = torch.empty(m, 2 * ffn, dtype=a.dtype, device=a.device) if keep_h else None
     if m == 0:
         return h, act
     bm, bn, bk, warps, stages = tiles.gemm1
-    b_desc = _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn])
     grid = (_grid_rows(m, e, bm) * (ffn // bn),)
     _kernels()._swiglu_gemm_kernel[grid](
-        a, entry if entry is not None else ends, b_desc, w, ends, h if h is not None else act, act, hidden, ffn,
-        num_topk, a.stride(0), h.stride(0) if h is not None else 0, act.stride(0), NUM_E=e,
-        E_BLOCK=max(2, launch.next_pow2(e)), GATHER=entry is not None, WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
+        h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
+        NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return h, act
 
