@@ -176,6 +176,38 @@ def test_triton_forward_tiles_only_where_they_fit(interpret, monkeypatch) -> Non
     assert grouped.forward_tiles(x, torch.randn(2, 48, 64), torch.randn(2, 32, 48)) is None  # CPU, no Triton
 
 
+_LAYOUT_CASES = [(9, 3, 5, 1), (9, 3, 5, 3), (0, 2, 4, 1), (37, 8, 16, 8), (200, 4, 130, 1), (5, 1, 1, 1)]
+
+
+def _layout_kernels_equal_torch(device: str, cases: list[tuple[int, int, int, int]]) -> None:
+    from lck_ep.moe import permute
+
+    for t, k, e, alignment in cases:
+        g = torch.Generator().manual_seed(SEED + t)
+        idx = torch.rand(t, e, generator=g).argsort(1)[:, :k].contiguous()
+        idx[torch.rand(t, k, generator=g) < 0.3] = -1
+        idx[idx == e // 2] = -1  # an expert without entries
+        idx = idx.to(device)
+        got = permute._triton_layout(idx, e, alignment)
+        want = permute._torch_layout(idx, e, alignment)
+        for name in want._fields:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), f"seed {SEED}, {(t, k, e, alignment)}: {name}"
+
+
+def test_layout_kernels_equal_the_torch_layout(interpret) -> None:
+    """The three layout kernels build the stable-sort layout bit for bit (-1 entries, an expert without
+    entries, padding, no tokens, more experts than a power of two)."""
+    _layout_kernels_equal_torch("cpu", _LAYOUT_CASES)
+
+
+@pytest.mark.gpu
+def test_cuda_layout_kernels_equal_the_torch_layout() -> None:
+    _layout_kernels_equal_torch(
+        "cuda", [*_LAYOUT_CASES, (8192, 8, 128, 1), (4096, 8, 256, 16), (70000, 2, 8, 1)]
+    )
+
+
 @pytest.mark.parametrize("alignment", [1, 3, 8])
 def test_local_layout_equals_buffer_layout(alignment: int) -> None:
     """The local expert-major layout is the Buffer's expanded layout on one rank (lck_ep.expanded)."""

@@ -8,15 +8,19 @@ identical rows, and give identical results.
 
 The number of rows is fixed by the shapes, not the data (``T * K + E * (alignment - 1)``; rows past
 ``offsets[E]`` belong to no expert and nothing reads them), so building the layout reads nothing on the
-host: one sort of the ``T * K`` expert ids on the device, a binary search for the segment bounds, and
-small scatters.
+host. Where Triton runs (CUDA, or the CPU interpreter) three kernels build it (``layout_kernels.py``:
+count per chunk, one scan, place); elsewhere torch ops do: one stable sort of the ``T * K`` expert ids, a
+binary search for the segment bounds, and small scatters. Both give the same layout.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+
+from lck_ep.moe import launch
 
 
 class LocalLayout(NamedTuple):
@@ -31,8 +35,48 @@ def num_rows(num_tokens: int, num_topk: int, num_experts: int, alignment: int) -
     return num_tokens * num_topk + num_experts * (alignment - 1)
 
 
+@functools.cache
+def _kernels():  # imported on first use: `import lck_ep.moe` stays cheap
+    from lck_ep.moe import layout_kernels
+
+    return layout_kernels
+
+
 def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
     """The layout of ``topk_idx`` ``[T, K]`` (int64 expert ids in ``[0, E)`` or -1; checked by the caller)."""
+    if launch.use_triton(topk_idx):
+        return _triton_layout(topk_idx, num_experts, alignment)
+    return _torch_layout(topk_idx, num_experts, alignment)
+
+
+def _triton_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    n, e = t * k, num_experts
+    flat = topk_idx.reshape(-1).contiguous()
+    e_block = max(16, launch.next_pow2(e))
+    chunk = max(16, 16384 // e_block)  # the [chunk, E_BLOCK] one-hot of a program: 16K elements
+    chunks = launch.triton_cdiv(n, chunk)
+    scratch = torch.empty(2, chunks, e_block, dtype=torch.int32, device=dev)  # counts, then bases
+    offsets = torch.empty(e + 1, dtype=torch.int64, device=dev)
+    ends = torch.empty(e, dtype=torch.int32, device=dev)
+    entry = torch.full((num_rows(t, k, e, alignment),), -1, dtype=torch.int64, device=dev)
+    index = torch.empty(n, dtype=torch.int64, device=dev)
+    kern = _kernels()
+    if chunks:
+        kern._layout_count_kernel[(chunks,)](flat, scratch[0], n, CHUNK=chunk, E_BLOCK=e_block, num_warps=4)
+    kern._layout_scan_kernel[(1,)](
+        scratch[0], scratch[1], offsets, ends, chunks, e, alignment, E_BLOCK=e_block,
+        ROWS=max(1, 4096 // e_block), num_warps=4,
+    )  # fmt: skip
+    if chunks:
+        kern._layout_place_kernel[(chunks,)](
+            flat, scratch[1], entry, index, n, e, CHUNK=chunk, E_BLOCK=e_block, num_warps=4
+        )
+    return LocalLayout(entry=entry, index=index.reshape(t, k), offsets=offsets, ends=ends)
+
+
+def _torch_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
     t, k = topk_idx.shape
     dev = topk_idx.device
     n = t * k
