@@ -11,6 +11,11 @@ with each budget's loop time relative to the first budget's and writes ``flce-wo
 (with provenance) into ``--out`` (default ``$OUT`` or the current folder).
 
     python packages/lck-kernels/benchmarks/flce_working_set.py [--budgets 512 256 128 64] [--iters 20]
+        [--profile]
+
+``--profile`` only profiles: for each budget, the GPU time of every kernel over three forward+backward
+steps of the plain op at the first shape (``torch.profiler``), so that the cost of a smaller budget can be
+pinned on the kernels that grow; written as ``flce-kernels-<gpu>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -90,13 +95,61 @@ def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int) -> list[
     return rows
 
 
+def _profiles(n: int, h: int, v: int, budgets: list[int]) -> dict[str, object]:
+    import lck_kernels
+
+    x = (torch.randn(n, h, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda") * h**-0.5).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device="cuda")
+    out: dict[str, object] = {}
+    for mib in budgets:
+
+        def step(mib: int = mib):
+            return torch.autograd.grad(
+                lck_kernels.fused_linear_cross_entropy(x, w, t, chunk_bytes=mib << 20), (x, w)
+            )
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernels = {
+            e.key: {"cuda_ms_per_step": e.self_device_time_total / 3e3, "calls_per_step": e.count / 3}
+            for e in prof.key_averages()
+            if e.self_device_time_total > 0
+        }
+        out[str(mib)] = kernels
+        print(
+            f"chunk {mib} MiB: {sum(k['cuda_ms_per_step'] for k in kernels.values()):.2f} ms of kernels per step"
+        )
+        for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["cuda_ms_per_step"])[:12]:
+            print(f"  {k['cuda_ms_per_step']:8.3f} ms  x{k['calls_per_step']:5.1f}  {name[:110]}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budgets", type=int, nargs="+", default=[512, 256, 192, 128, 96, 64], help="MiB")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--profile", action="store_true", help="only the per-kernel profile of each budget")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.profile:
+        n, h, v = SHAPES[0]
+        prof = {
+            "provenance": provenance(),
+            "shape": f"{n}x{h}x{v}",
+            "kernels": _profiles(n, h, v, args.budgets),
+        }
+        out = args.out / f"flce-kernels-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
+        args.out.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(prof, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     rows = []
     for n, h, v in SHAPES:
         rows += _shape_rows(n, h, v, args.budgets, args.iters)
