@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lck_ep.moe.gemm_kernels import _expert_tile
+
 # fmt: off
 
 
@@ -72,7 +74,53 @@ def _grouped_mm_probe_kernel(
     tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
 
 
+@triton.jit
+def _swiglu_gemm_one_acc_kernel(
+    a_desc, b3_desc, w_ptr, ends_ptr, act_ptr, hidden, ffn, stride_act, NUM_E: tl.constexpr,
+    E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The fused first GEMM with one [BLOCK_M, 2 * BLOCK_N] accumulator: W1 read as [E * hidden, 2, ffn]
+    boxes of [BLOCK_K, 2, BLOCK_N] (gate and up columns side by side), split in the epilogue."""
+    pid = tl.program_id(0)
+    n_tiles = ffn // BLOCK_N
+    mt = pid // n_tiles
+    nt = pid - mt * n_tiles
+    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    if live:
+        col0 = nt * BLOCK_N
+        b_row = e * hidden
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            b = tl.reshape(b3_desc.load([b_row + k, 0, col0]), (BLOCK_K, 2 * BLOCK_N))
+            acc = tl.dot(a_desc.load([row0, k]), b, acc)
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        g = g.to(act_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(act_ptr.dtype.element_ty).to(tl.float32)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = col0 + tl.arange(0, BLOCK_N)
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        act = g * tl.sigmoid(g) * u * w[:, None]
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
 # fmt: on
+
+
+def swiglu_one_acc(a, w, w1, ends, cfg):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages = cfg
+    e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
+    act = torch.empty(a.shape[0], ffn, dtype=a.dtype, device=a.device)
+    grid = ((triton.cdiv(a.shape[0], bm) + e) * (ffn // bn),)
+    _swiglu_gemm_one_acc_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w1.view(e * hidden, 2, ffn), [bk, 2, bn]),
+        w, ends, act, hidden, ffn, act.stride(0), NUM_E=e, E_BLOCK=max(2, triton.next_power_of_2(e)), BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return act
 
 
 def triton_grouped_mm(
@@ -169,6 +217,47 @@ def _tiles(lay: Any, x_e: Any, w1: Any, w2: Any, t: int, k: int) -> list[dict[st
     return out
 
 
+def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
+    """The fused first GEMM with one accumulator (W1 as gate/up boxes) and two-accumulator tiles with deeper
+    steps; the second GEMM at more tiles."""
+    from lck_ep.moe import grouped
+
+    out: list[dict[str, Any]] = []
+    w_e = torch.rand(x_e.shape[0], device=x_e.device)
+    rows = int(lay.ends[-1])
+    base = grouped.Tiles((128, 128, 64, 8, 4), (128, 256, 64, 8, 4))
+    want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()
+    want2 = grouped.mm_tiled(act, w2, lay.ends, base)[:rows].float()
+    runs: dict[tuple[str, str], Any] = {}
+    for cfg in [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]:
+        runs[("one_acc", "{}x{}x{}_w{}_s{}".format(*cfg))] = lambda cfg=cfg: swiglu_one_acc(
+            x_e, w_e, w1, lay.ends, cfg
+        )
+    for cfg in [(128, 128, 64, 8, 4), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3)]:
+        tl_ = grouped.Tiles(cfg, base.gemm2)
+        runs[("two_acc", "{}x{}x{}_w{}_s{}".format(*cfg))] = lambda t_=tl_: grouped.gemm_swiglu(
+            x_e, w_e, w1, lay.ends, t_, False
+        )[1]
+    for cfg in [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (128, 256, 128, 8, 3),
+                (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 128, 4, 4), (64, 256, 128, 4, 3)]:  # fmt: skip
+        tl_ = grouped.Tiles(base.gemm1, cfg)
+        runs[("gemm2", "{}x{}x{}_w{}_s{}".format(*cfg))] = lambda t_=tl_: grouped.mm_tiled(
+            act, w2, lay.ends, t_
+        )
+    for (kind, name), fn in runs.items():
+        rec: dict[str, Any] = {"gemm": kind, "provider": name}
+        try:
+            got = fn()[:rows].float()
+            want = want2 if kind == "gemm2" else want1
+            rec["max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+            rec.update(_measure(fn))
+        except Exception as exc:
+            rec["error"] = repr(exc)[:600]
+        out.append(rec)
+        print(rec, flush=True)
+    return out
+
+
 def _measure(fn: Any) -> dict[str, Any]:
     from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
@@ -185,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--part", choices=["all", "tiles"], default="all")
+    p.add_argument("--part", choices=["all", "tiles", "tiles2"], default="all")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -203,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     if args.part == "tiles":
         records += _tiles(lay, x_e, w1, w2, t, k)
+    if args.part == "tiles2":
+        records += _tiles2(lay, x_e, act, w1, w2)
     for gemm, a, w, w_km, flops in (
         ()
-        if args.part == "tiles"
+        if args.part != "all"
         else (
             ("gemm1", x_e, w1, w1_km, 2.0 * rows * h * 2 * f),
             ("gemm2", act, w2, w2_km, 2.0 * rows * f * h),
