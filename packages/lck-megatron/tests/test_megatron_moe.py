@@ -303,7 +303,8 @@ def test_demo_moe_model_is_patched(megatron_tp1: None) -> None:
 def test_demo_moe_model_matches_stock_cuda(megatron_tp1: None) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(3)  # Megatron's attention forks this tracker: seed it here, not in another test
+    # Megatron's attention forks this tracker: seed it here, not rely on another test having done so.
+    model_parallel_cuda_manual_seed(3)
     stock, patched = _stock_and_patched_gpt()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3)).cuda()
     pos = torch.arange(16, device="cuda").unsqueeze(0).expand(2, 16)
