@@ -11,7 +11,11 @@ with each budget's loop time relative to the first budget's and writes ``flce-wo
 (with provenance) into ``--out`` (default ``$OUT`` or the current folder).
 
     python packages/lck-kernels/benchmarks/flce_working_set.py [--budgets 512 256 128 64] [--iters 20]
-        [--profile]
+        [--streams 1 2] [--shapes N] [--profile]
+
+Each budget runs with the ``grad_W`` update on the caller's stream (``--streams 1``: tuning knob
+``grad_streams=1``, which takes the Python path) and on a side stream (2, the default, the C++ path), and
+the first row of each op is the reference of ``loop_relative_to_first``.
 
 ``--profile`` only profiles: for each budget, the GPU time of every kernel over three forward+backward
 steps of the plain op at the first shape (``torch.profiler``), so that the cost of a smaller budget can be
@@ -44,8 +48,9 @@ def _extra_peak(fn, grads_bytes: int) -> int:
     return torch.cuda.max_memory_allocated() - base - grads_bytes
 
 
-def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int) -> list[dict]:
+def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int, streams: list[int]) -> list[dict]:
     import lck_kernels
+    from lck_kernels import tuning
 
     x = (torch.randn(n, h, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(v, h, device="cuda") * h**-0.5).to(torch.bfloat16).requires_grad_(True)
@@ -67,31 +72,37 @@ def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int) -> list[
     ):
         base_ms = None
         for mib in budgets:
+            for nstreams in streams:
 
-            def step(mib: int = mib, op=op):
-                return torch.autograd.grad(op(mib), (x, w))
+                def step(mib: int = mib, op=op, nstreams: int = nstreams):
+                    if nstreams == 2:  # the default: the C++ path where it serves the call
+                        return torch.autograd.grad(op(mib), (x, w))
+                    with tuning("fused_linear_cross_entropy", grad_streams=nstreams):  # the Python path
+                        return torch.autograd.grad(op(mib), (x, w))
 
-            gpu = statistics.median(time_cuda(step, warmup=3, iters=iters))
-            host = host_ms(step, iters=10, warmup=2)
-            loop = time_loop(step, iters=iters, warmup=2)
-            extra = _extra_peak(step, grads_bytes)
-            base_ms = loop if base_ms is None else base_ms
-            row = {
-                "op": name,
-                "shape": f"{n}x{h}x{v}",
-                "chunk_mib": mib,
-                "gpu_ms": gpu,
-                "host_ms": host,
-                "loop_ms": loop,
-                "loop_relative_to_first": loop / base_ms,
-                "extra_peak_mib": extra / 2**20,
-            }
-            rows.append(row)
-            print(
-                f"{name:<40} {row['shape']:<18} chunk {mib:>4} MiB  GPU {gpu:7.2f} ms  loop {loop:7.2f} ms "
-                f"({row['loop_relative_to_first']:.3f}x)  working set {row['extra_peak_mib']:7.1f} MiB",
-                flush=True,
-            )
+                gpu = statistics.median(time_cuda(step, warmup=3, iters=iters))
+                host = host_ms(step, iters=10, warmup=2)
+                loop = time_loop(step, iters=iters, warmup=2)
+                extra = _extra_peak(step, grads_bytes)
+                base_ms = loop if base_ms is None else base_ms
+                row = {
+                    "op": name,
+                    "shape": f"{n}x{h}x{v}",
+                    "chunk_mib": mib,
+                    "grad_streams": nstreams,
+                    "gpu_ms": gpu,
+                    "host_ms": host,
+                    "loop_ms": loop,
+                    "loop_relative_to_first": loop / base_ms,
+                    "extra_peak_mib": extra / 2**20,
+                }
+                rows.append(row)
+                print(
+                    f"{name:<40} {row['shape']:<18} chunk {mib:>4} MiB  streams {nstreams}  GPU {gpu:7.2f} ms  "
+                    f"loop {loop:7.2f} ms ({row['loop_relative_to_first']:.3f}x)  "
+                    f"working set {row['extra_peak_mib']:7.1f} MiB",
+                    flush=True,
+                )
     return rows
 
 
@@ -136,6 +147,11 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     p.add_argument("--profile", action="store_true", help="only the per-kernel profile of each budget")
+    p.add_argument(
+        "--streams", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+        help="grad_W update on the caller's stream (1) or a side stream (2, the default)",
+    )  # fmt: skip
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.profile:
@@ -151,8 +167,8 @@ def main() -> int:
         print(f"wrote {out}")
         return 0
     rows = []
-    for n, h, v in SHAPES:
-        rows += _shape_rows(n, h, v, args.budgets, args.iters)
+    for n, h, v in SHAPES[: args.shapes]:
+        rows += _shape_rows(n, h, v, args.budgets, args.iters, args.streams)
         torch.cuda.empty_cache()
     out = args.out / f"flce-working-set-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -84,10 +84,16 @@ inline Registry& registry() {
 using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                   unsigned, CUstream, void**, void**);
 using GetErrorName = CUresult (*)(CUresult, const char**);
+using EventCreate = CUresult (*)(CUevent*, unsigned);
+using EventRecord = CUresult (*)(CUevent, CUstream);
+using StreamWaitEvent = CUresult (*)(CUstream, CUevent, unsigned);
 
 struct Driver {
   LaunchKernel launch = nullptr;
   GetErrorName error_name = nullptr;
+  EventCreate event_create = nullptr;  // events order a side stream against the caller's (linear_cross_entropy)
+  EventRecord event_record = nullptr;
+  StreamWaitEvent stream_wait_event = nullptr;
 };
 
 inline const Driver& driver() {
@@ -98,6 +104,9 @@ inline const Driver& driver() {
     if (lib == nullptr) throw std::runtime_error("lck host: cannot open libcuda.so.1");
     out.launch = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
     out.error_name = reinterpret_cast<GetErrorName>(dlsym(lib, "cuGetErrorName"));
+    out.event_create = reinterpret_cast<EventCreate>(dlsym(lib, "cuEventCreate"));
+    out.event_record = reinterpret_cast<EventRecord>(dlsym(lib, "cuEventRecord"));
+    out.stream_wait_event = reinterpret_cast<StreamWaitEvent>(dlsym(lib, "cuStreamWaitEvent"));
     if (out.launch == nullptr) throw std::runtime_error("lck host: libcuda.so.1 lacks cuLaunchKernel");
     return out;
   }();

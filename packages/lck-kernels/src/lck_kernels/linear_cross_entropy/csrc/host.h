@@ -19,6 +19,7 @@
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #if LCK_HOST_ATEN_CUDA
 #include <ATen/ops/addmm_cuda_dispatch.h>
 #include <ATen/ops/mm_cuda_dispatch.h>
@@ -28,6 +29,7 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -137,6 +139,36 @@ inline void lce_addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& 
     self.addmm_(a, b);
 }
 
+// _run_with_grads' side stream: each chunk's grad_W update runs on it beside the chunk's grad_x GEMM on the
+// caller's stream (see launch.py's _run_with_grads for why and what it gains). One stream and one pair of events
+// per thread and device (a wait takes an event's latest record, so the pair serves every chunk).
+struct LceSide {
+  c10::cuda::CUDAStream stream;
+  CUevent ready = nullptr, done = nullptr;
+};
+
+inline void lce_check(CUresult rc, const char* what) {
+  if (rc == CUDA_SUCCESS) return;
+  const char* name = "?";
+  if (driver().error_name != nullptr) driver().error_name(rc, &name);
+  throw std::runtime_error(std::string("fused_linear_cross_entropy: ") + what + " failed: " + name);
+}
+
+inline LceSide& lce_side(int device) {
+  thread_local std::map<int, LceSide> sides;
+  auto it = sides.find(device);
+  if (it == sides.end()) {
+    const Driver& d = driver();
+    if (d.event_create == nullptr || d.event_record == nullptr || d.stream_wait_event == nullptr)
+      throw std::runtime_error("fused_linear_cross_entropy: libcuda.so.1 lacks cuEventCreate/Record/StreamWaitEvent");
+    LceSide side{c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device))};
+    lce_check(d.event_create(&side.ready, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    lce_check(d.event_create(&side.done, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    it = sides.emplace(device, side).first;
+  }
+  return it->second;
+}
+
 // forward_chunked with needs (through _run_with_grads and run_chunks without overlap): the loss, z-loss, per-row
 // lse and entropy (empty unless asked for) and the gradients of the reduced loss (unneeded ones empty). Runs with
 // autograd off (the caller's guard). The GEMM operands are aliases (alias.h) and the row kernel's per-row vectors
@@ -161,6 +193,8 @@ inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const a
   const at::Tensor& zl_v = ce.has_z ? zl : lse;
   const at::Tensor& ent_v = c.entropy ? ent : lse;
   const bool cw = ce.has_weight;
+  LceSide* side = c.need_w && lce_on_cuda(x) ? &lce_side(device) : nullptr;
+  const CUstream main_stream = side != nullptr ? c10::cuda::getCurrentCUDAStream(device).stream() : nullptr;
   for (int64_t s = 0; s < n; s += chunk) {
     const int64_t e = std::min(n, s + chunk), m = e - s;
     at::Tensor logits = rows_alias(buf, 0, m);
@@ -177,18 +211,32 @@ inline LceOut lce_forward(const at::Tensor& x, const at::Tensor& weight, const a
            ptr_at(lse, s), ptr_at(ent_v, s), ptr_at(applied, s), i(m), i(v), i(ce.ignore_index), f(ce.eps),
            f(ce.z_scale), f(c.scale), f(ce.softcap));
     // _accumulate_grads (the logits buffer now holds their gradient)
-    if (c.need_x) {
-      at::Tensor gx_c = rows_alias(gx, s, m);
-      lce_mm_out(gx_c, logits, weight);
-    }
-    if (c.need_w) {
+    auto grad_w_update = [&] {
       const at::Tensor lt = t_alias(logits);
       if (s == 0)  // no zero fill of a V×H buffer: the first chunk writes it
         lce_mm_out(gw, lt, x_c);
       else
         lce_addmm_(gw, lt, x_c);
+    };
+    if (side != nullptr) {
+      const Driver& d = driver();
+      lce_check(d.event_record(side->ready, main_stream), "cuEventRecord");
+      lce_check(d.stream_wait_event(side->stream.stream(), side->ready, 0), "cuStreamWaitEvent");
+      {
+        c10::cuda::CUDAStreamGuard on_side(side->stream);
+        grad_w_update();
+      }
+      lce_check(d.event_record(side->done, side->stream.stream()), "cuEventRecord");
     }
+    if (c.need_x) {
+      at::Tensor gx_c = rows_alias(gx, s, m);
+      lce_mm_out(gx_c, logits, weight);
+    }
+    if (c.need_w && side == nullptr) grad_w_update();
     if (c.need_b) gb32.add_(at::sum(logits, at::IntArrayRef{0}, false, at::kFloat));
+    // The next chunk's logits GEMM rewrites the buffer grad_W read; every later use of memory the side stream
+    // touched is ordered after it.
+    if (side != nullptr) lce_check(driver().stream_wait_event(main_stream, side->done, 0), "cuStreamWaitEvent");
   }
   at::Tensor gb = c.need_b ? gb32.to(bias.scalar_type())
                            : at::empty({0}, f32.dtype(bias.defined() ? bias.scalar_type() : at::kFloat));
