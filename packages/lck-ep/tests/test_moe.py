@@ -188,11 +188,16 @@ def _layout_kernels_equal_torch(device: str, cases: list[tuple[int, int, int, in
         idx[torch.rand(t, k, generator=g) < 0.3] = -1
         idx[idx == e // 2] = -1  # an expert without entries
         idx = idx.to(device)
-        got = permute._triton_layout(idx, e, alignment)
+        got, ids_ok = permute._triton_layout(idx, e, alignment)
         want = permute._torch_layout(idx, e, alignment)
         for name in want._fields:
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), f"seed {SEED}, {(t, k, e, alignment)}: {name}"
+        assert int(ids_ok) == 1
+    for bad_id in (-2, 5):  # ids outside [-1, E) clear the flag (CUDA asserts on it) and place no row
+        idx = torch.tensor([[0, 3], [bad_id, -1], [2, 1]], device=device)
+        got, ids_ok = permute._triton_layout(idx, 5 if bad_id < 0 else 4, 1)
+        assert int(ids_ok) == 0 and got.index[1].tolist() == [-1, -1]
 
 
 def test_layout_kernels_equal_the_torch_layout(interpret) -> None:

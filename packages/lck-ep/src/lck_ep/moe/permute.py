@@ -45,11 +45,18 @@ def _kernels():  # imported on first use: `import lck_ep.moe` stays cheap
 def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
     """The layout of ``topk_idx`` ``[T, K]`` (int64 expert ids in ``[0, E)`` or -1; checked by the caller)."""
     if launch.use_triton(topk_idx):
-        return _triton_layout(topk_idx, num_experts, alignment)
+        layout, ids_ok = _triton_layout(topk_idx, num_experts, alignment)
+        if topk_idx.device.type == "cuda":
+            # Ids outside [-1, E) fail a device-side assertion (no host read); they write no row.
+            torch._assert_async(ids_ok)
+        return layout
     return _torch_layout(topk_idx, num_experts, alignment)
 
 
-def _triton_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
+def _triton_layout(
+    topk_idx: torch.Tensor, num_experts: int, alignment: int
+) -> tuple[LocalLayout, torch.Tensor]:
+    """The layout, and a one-element int32 tensor that is 1 when every id is in ``[-1, E)``, else 0."""
     t, k = topk_idx.shape
     dev = topk_idx.device
     n, e = t * k, num_experts
@@ -57,26 +64,36 @@ def _triton_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> 
     e_block = max(16, launch.next_pow2(e))
     chunk = max(16, 16384 // e_block)  # the [chunk, E_BLOCK] one-hot of a program: 16K elements
     chunks = launch.triton_cdiv(n, chunk)
-    scratch = torch.empty(2, chunks, e_block, dtype=torch.int32, device=dev)  # counts, then bases
+    rows = max(chunks, 1)  # without tokens the place kernel's one program still reads a prefix row
+    scratch = torch.empty(2 * rows * e_block + rows + e_block + 1, dtype=torch.int32, device=dev)
+    counts = scratch[: rows * e_block]
+    prefix = scratch[rows * e_block : 2 * rows * e_block]
+    bad = scratch[2 * rows * e_block : 2 * rows * e_block + rows]
+    totals = scratch[2 * rows * e_block + rows : -1]
+    ok = scratch[-1:]
     offsets = torch.empty(e + 1, dtype=torch.int64, device=dev)
     ends = torch.empty(e, dtype=torch.int32, device=dev)
     entry = torch.full((num_rows(t, k, e, alignment),), -1, dtype=torch.int64, device=dev)
     index = torch.empty(n, dtype=torch.int64, device=dev)
     kern = _kernels()
     if chunks:
-        kern._layout_count_kernel[(chunks,)](flat, scratch[0], n, CHUNK=chunk, E_BLOCK=e_block, num_warps=4)
-    kern._layout_scan_kernel[(1,)](
-        scratch[0], scratch[1], offsets, ends, chunks, e, alignment, E_BLOCK=e_block,
-        ROWS=max(1, 4096 // e_block), num_warps=4,
-    )  # fmt: skip
-    if chunks:
-        kern._layout_place_kernel[(chunks,)](
-            flat, scratch[1], entry, index, n, e, CHUNK=chunk, E_BLOCK=e_block, num_warps=4
+        kern._layout_count_kernel[(chunks,)](
+            flat, counts, bad, n, e, CHUNK=chunk, E_BLOCK=e_block, num_warps=4
         )
-    return LocalLayout(entry=entry, index=index.reshape(t, k), offsets=offsets, ends=ends)
+    kern._layout_scan_kernel[(e_block // 16,)](
+        counts, prefix, totals, bad, ok, chunks, E_BLOCK=e_block, COLS=16, ROWS=512, num_warps=4
+    )
+    kern._layout_place_kernel[(max(chunks, 1),)](
+        flat, prefix, totals, entry, index, offsets, ends, n, e, alignment, CHUNK=chunk, E_BLOCK=e_block,
+        num_warps=4,
+    )  # fmt: skip
+    return LocalLayout(entry=entry, index=index.reshape(t, k), offsets=offsets, ends=ends), ok
 
 
 def _torch_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int) -> LocalLayout:
+    if topk_idx.device.type == "cuda" and topk_idx.numel():
+        # A device-side assertion instead of a host read: the layout stays free of syncs.
+        torch._assert_async(((topk_idx >= -1) & (topk_idx < num_experts)).all())
     t, k = topk_idx.shape
     dev = topk_idx.device
     n = t * k
