@@ -50,7 +50,7 @@ def _extra_peak(fn, grads_bytes: int) -> int:
 
 def _shape_rows(n: int, h: int, v: int, budgets: list[int], iters: int, streams: list[int]) -> list[dict]:
     import lck_kernels
-    from lck_kernels import tuning
+    from lck_kernels._common import tuning
 
     x = (torch.randn(n, h, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(v, h, device="cuda") * h**-0.5).to(torch.bfloat16).requires_grad_(True)
