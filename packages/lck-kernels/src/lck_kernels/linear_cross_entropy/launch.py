@@ -54,15 +54,16 @@ from lck_kernels.cross_entropy.launch import (
 
 Tensor = torch.Tensor
 
-# 512 MiB: 2048 tokens of bf16 logits at a 128256 vocabulary. Smaller budgets cost time because every chunk
-# reads and rewrites all of grad_W (a K of only the chunk's tokens): measured on one H200 (2026-12-02,
-# benchmarks/flce_working_set.py at 05b4fd6, one fwd+bwd at a time between CUDA events, so neither GPU nor
-# loop time; results/flce-working-set-h200-2026-12-02-05b4fd6.json) at 8192x4096->128256, 512 / 256 / 128 /
-# 64 MiB took 38.9 / 40.8 / 44.6 / 54.6 ms (1.00 / 1.05 / 1.15 / 1.40x) with 501 / 251 / 125 / 63 MiB working
-# sets; 8192x2048 1.00 / 1.04 / 1.14 / 1.36x. At 128 MiB the op was slower than torch.compile's (38.3 ms with
-# 3 GiB), so the default keeps the fastest point; chunk_bytes picks a smaller working set. At the default,
-# loop time is 35.96 ms for 34.48 ms of GPU time (host-overhead-h200-2026-12-02-a8708de); the script now
-# reports GPU, host and loop time for every budget, not yet re-run.
+# 512 MiB: 2048 tokens of bf16 logits at a 128256 vocabulary. Smaller budgets cost time, all of it in cuBLAS:
+# every chunk reads and rewrites all of grad_W with a K of only the chunk's tokens, and the logits and grad_x
+# GEMMs get skinnier. Measured on one H200 at 8192x4096->128256 (benchmarks/flce_working_set.py):
+# - loop time at 512 / 256 / 128 / 64 MiB: 39.85 / 41.53 / 45.22 / 54.75 ms (1.00 / 1.04 / 1.13 / 1.37x;
+#   b55c2ce), with 501 / 251 / 125 / 63 MiB working sets;
+# - GPU time per kernel (--profile, 6a366b2): at 128 MiB the grad_W updates take 15.9 ms against 12.3, the
+#   logits GEMMs 12.6 against 11.3, the grad_x GEMMs 11.7 against 11.0; the row kernel 1.5 in both;
+# - the grad_W update on a side stream (_run_with_grads) gives back little in place: 42.32 against 42.81 ms of
+#   GPU time at 128 MiB, 37.18 against 37.29 at 512 MiB (loop 38.42 against 38.85; e07b4a2).
+# So the default keeps 512 MiB; chunk_bytes picks a smaller working set at that cost.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Tuning knobs of tuning("fused_linear_cross_entropy", ...): overlap (run_chunks), grad_streams (_grad_streams).
 KNOBS = {"overlap": 0, "grad_streams": 2}
@@ -124,9 +125,7 @@ def run_chunks(x, weight, bias, chunk: int, row_kernel, gemms=None) -> None:
     Whether the GPU actually runs them side by side depends on cuBLAS leaving SMs free; measure it.
     """
     n, v = x.shape[0], weight.shape[0]
-    overlap = (
-        tuned("fused_linear_cross_entropy", KNOBS)["overlap"] and x.is_cuda and gemms is not None
-    )
+    overlap = tuned("fused_linear_cross_entropy", KNOBS)["overlap"] and x.is_cuda and gemms is not None
     if not overlap or n <= 1:
         buf = torch.empty((min(chunk, n), v), dtype=x.dtype, device=x.device)
         for s in range(0, n, chunk):
