@@ -3,7 +3,7 @@ grouped GEMM → combine, forward and backward (:class:`MoEExperts`).
 
 Modules: ``module`` (the ``nn.Module``), ``function`` (the autograd function and retained forwards),
 ``permute`` (the local expert-major layout), ``grouped`` / ``gemm_kernels`` (grouped GEMMs: the forward's
-Triton kernels, the first fused with the row gather and the activation, and their launches),
+Triton kernels, the first with the weighted SwiGLU as its epilogue, and their launches),
 ``kernels`` / ``launch`` (the row-wise Triton kernels and their launches), ``checks`` (argument checks),
 ``benchmark`` (``lck bench moe``).
 """

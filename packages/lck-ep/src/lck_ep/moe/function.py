@@ -7,13 +7,13 @@ Forward, for this rank's ``L`` experts:
 2. ``h = x_e @ W1[j]`` per expert segment (grouped GEMM, :mod:`lck_ep.moe.grouped`);
 3. ``act = w * silu(h[:, :F]) * h[:, F:]`` with each row's routing weight ``w`` (one Triton kernel);
 4. ``y_e = act @ W2[j]`` (grouped GEMM);
+5. back to tokens: ``out[t] = sum over k ascending of y_e[row of (t, k)]`` in float32, cast once (locally,
+   or ``Buffer.combine`` without weights, whose documented order is the same on one rank and adds the
+   ranks' partials in rank order), so results are reproducible bit for bit.
 
 Where the Triton forward serves the operands (``grouped.forward_tiles``), steps 2 and 3 are one kernel
 (the activation is its epilogue; it writes ``h`` only when a backward will need it) and step 4 is lck's
 grouped GEMM.
-5. back to tokens: ``out[t] = sum over k ascending of y_e[row of (t, k)]`` in float32, cast once (locally,
-   or ``Buffer.combine`` without weights, whose documented order is the same on one rank and adds the
-   ranks' partials in rank order), so results are reproducible bit for bit.
 
 Backward runs the same steps in reverse: the combine's backward is a dispatch of the output gradient with
 the cached handle, the dispatch's backward a combine of the rows' input gradients. The routing weights'

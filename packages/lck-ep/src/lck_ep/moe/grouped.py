@@ -1,11 +1,11 @@
 """Grouped GEMMs over the expert-major layout: the forward's Triton kernels (``gemm_kernels.py``: the first
-GEMM fused with the row gather and the weighted SwiGLU, and the second GEMM) where their tiles fit,
-``torch._grouped_mm`` (CUTLASS on Hopper/Blackwell) for bf16 on CUDA otherwise and in the backward, and a
-loop of ``torch.matmul`` over experts elsewhere.
+GEMM with the weighted SwiGLU as its epilogue, the second plain) where their tiles fit, ``torch._grouped_mm``
+(CUTLASS on Hopper/Blackwell) for bf16 on CUDA otherwise and in the backward, and a loop of ``torch.matmul``
+over experts elsewhere.
 
-The Triton forward (the first GEMM with the weighted SwiGLU as its epilogue, the second plain) serves CUDA bf16/fp16 on compute capability 9.x and later (TMA) with contiguous expert
-weights, ``hidden`` a multiple of 64 and ``ffn`` a multiple of 64, and the Triton interpreter on CPU (small
-tiles, for the tests); ``LCK_EP_MOE_FUSED=0`` turns it off (the three separate passes then run).
+The Triton forward serves CUDA bf16/fp16 on compute capability 9.x and later (TMA) with contiguous expert
+weights and expanded rows, ``hidden`` and ``ffn`` multiples of 64, and the Triton interpreter on CPU (small
+tiles, for the tests); ``LCK_EP_MOE_FUSED=0`` turns it off (the separate passes then run).
 
 ``ends`` ``[E]`` int32 are the cumulative segment ends (``offsets[1:]``); rows past ``ends[-1]`` belong to
 no expert: the forward products leave them unwritten and the weight gradients ignore them.

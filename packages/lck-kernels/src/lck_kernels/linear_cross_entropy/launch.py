@@ -238,8 +238,9 @@ def _run_with_grads(p: ChunkedProblem, row_kernel, needs: tuple[bool, bool, bool
     so it is bound by memory more than the other GEMMs) runs on a side stream while ``grad_x`` runs on the
     caller's: the two overlap, and the next chunk's logits GEMM, which rewrites the buffer both read, waits for
     both. The updates keep their order, so the bits are those of one stream. Measured on one H200 at
-    8192×4096→128256 with 512-token chunks: 26.9 ms for both gradient GEMMs against 29.1 ms on one stream
-    (``flce-gemm-profile-h200-2026-12-02-b55c2ce.json``)."""
+    8192×4096→128256 with 512-token chunks, the two gradient GEMMs alone took 26.9 ms against 29.1 on one
+    stream (``flce-gemm-profile-h200-2026-12-02-b55c2ce.json``); inside the op the gain is smaller, 0.1-0.5 ms
+    (see ``DEFAULT_CHUNK_BYTES``)."""
     x, weight, bias = p.x, p.weight, p.bias
     need_x, need_w, need_b = needs
     dev = x.device
