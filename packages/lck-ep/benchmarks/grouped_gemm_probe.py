@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lck_ep.moe.gemm_kernels import _expert_tile
+from lck_ep.moe.gemm_kernels import _program_tile
 
 # fmt: off
 
@@ -41,37 +41,21 @@ def _grouped_mm_probe_kernel(
     NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program p: row tile ``p // n_tiles`` of the list of every expert's row tiles, column tile ``p % n_tiles``."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(n_cols, BLOCK_N)
-    mt = pid // n_tiles
-    nt = pid % n_tiles
-    e_ids = tl.arange(0, E_BLOCK)
-    in_e = e_ids < NUM_E
-    ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
-    starts = tl.load(ends_ptr + e_ids - 1, mask=in_e & (e_ids > 0), other=0)
-    tiles = tl.where(in_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, 0)
-    if mt >= tl.sum(tiles, 0):
-        return
-    e = tl.sum((cum <= mt).to(tl.int32), 0)
-    sel = e_ids == e
-    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
-    start = tl.sum(tl.where(sel, starts, 0), 0)
-    end = tl.sum(tl.where(sel, ends, 0), 0)
-    row0 = start + (mt - first) * BLOCK_M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_dim, BLOCK_K):
-        a = a_desc.load([row0, k])
-        if B_KMAJOR:
-            b = b_desc.load([e * n_cols + nt * BLOCK_N, k]).T
-        else:
-            b = b_desc.load([e * k_dim + k, nt * BLOCK_N])
-        acc = tl.dot(a, b, acc)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
-    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
+    """The layer's plain grouped GEMM with B optionally K-major (``n_cols`` a multiple of BLOCK_N)."""
+    e, row0, end, live, col0 = _program_tile(ends_ptr, n_cols, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
+    if live:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_dim, BLOCK_K):
+            a = a_desc.load([row0, k])
+            if B_KMAJOR:
+                b = b_desc.load([e * n_cols + col0, k]).T
+            else:
+                b = b_desc.load([e * k_dim + k, col0])
+            acc = tl.dot(a, b, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit
@@ -81,13 +65,8 @@ def _swiglu_gemm_one_acc_kernel(
 ):
     """The fused first GEMM with one [BLOCK_M, 2 * BLOCK_N] accumulator: W1 read as [E * hidden, 2, ffn]
     boxes of [BLOCK_K, 2, BLOCK_N] (gate and up columns side by side), split in the epilogue."""
-    pid = tl.program_id(0)
-    n_tiles = ffn // BLOCK_N
-    mt = pid // n_tiles
-    nt = pid - mt * n_tiles
-    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    e, row0, end, live, col0 = _program_tile(ends_ptr, ffn, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
     if live:
-        col0 = nt * BLOCK_N
         b_row = e * hidden
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, hidden, BLOCK_K):

@@ -30,8 +30,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _expert_tile(ends_ptr, mt, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, segment end, live) of row tile ``mt``; ``live`` is false past the last tile."""
+def _program_tile(ends_ptr, n_cols, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """(expert, first row, segment end, live, first column) of this program's tile: row tile
+    ``pid // n_tiles`` of the list of every expert's row tiles, column tile ``pid % n_tiles``; ``live`` is
+    false past the last row tile."""
+    pid = tl.program_id(0)
+    n_tiles = n_cols // BLOCK_N
+    mt = pid // n_tiles
     e_ids = tl.arange(0, E_BLOCK)
     in_e = e_ids < NUM_E
     ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
@@ -43,7 +49,8 @@ def _expert_tile(ends_ptr, mt, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK
     first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
     start = tl.sum(tl.where(sel, starts, 0), 0)
     end = tl.sum(tl.where(sel, ends, 0), 0)
-    return e, start + (mt - first) * BLOCK_M, end, mt < tl.sum(tiles, 0)
+    live = mt < tl.sum(tiles, 0)
+    return e, start + (mt - first) * BLOCK_M, end, live, (pid - mt * n_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -52,16 +59,11 @@ def _swiglu_gemm_kernel(
     E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Row tile x (gate, up) column tiles ``nt`` of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
+    """Row tile x (gate, up) column tiles of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
     with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
     ``[BLOCK_M, BLOCK_K]`` blocks; ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``."""
-    pid = tl.program_id(0)
-    n_tiles = ffn // BLOCK_N
-    mt = pid // n_tiles
-    nt = pid - mt * n_tiles
-    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    e, row0, end, live, col0 = _program_tile(ends_ptr, ffn, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
     if live:
-        col0 = nt * BLOCK_N
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -94,13 +96,8 @@ def _grouped_gemm_kernel(
 ):
     """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
     ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
-    pid = tl.program_id(0)
-    n_tiles = n_cols // BLOCK_N
-    mt = pid // n_tiles
-    nt = pid - mt * n_tiles
-    e, row0, end, live = _expert_tile(ends_ptr, mt, NUM_E, E_BLOCK, BLOCK_M)
+    e, row0, end, live, col0 = _program_tile(ends_ptr, n_cols, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
     if live:
-        col0 = nt * BLOCK_N
         b_row = e * k_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_dim, BLOCK_K):
