@@ -30,9 +30,22 @@ import torch
 import triton
 import triton.language as tl
 
-from lck_ep.moe.gemm_kernels import _program_tile
+from lck_ep.moe.gemm_kernels import _locate, _tile_counts
 
 # fmt: off
+
+
+@triton.jit
+def _program_tile(ends_ptr, n_cols, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """(expert, first row, segment end, live, first column) of this program's tile, one program per tile."""
+    pid = tl.program_id(0)
+    n_tiles = n_cols // BLOCK_N
+    mt = pid // n_tiles
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
+    live = mt < tl.sum(tiles, 0)
+    e, row0, end = _locate(ends_ptr, tl.where(live, mt, 0), tiles, cum, BLOCK_M)
+    return e, row0, end, live, (pid - mt * n_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -237,6 +250,57 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
     return out
 
 
+def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> list[dict[str, Any]]:
+    """Both forward GEMMs with one program per tile against persistent grids (one program per SM looping
+    over tiles, the tile and K loops flattened or not, automatic warp specialisation), alone and in the
+    layer's forward (``grouped.forward_tiles`` replaced by each choice in turn)."""
+    from lck_ep.moe import grouped
+
+    out: list[dict[str, Any]] = []
+    w_e = torch.rand(x_e.shape[0], device=x_e.device)
+    rows = int(lay.ends[-1])
+    g1, g2 = grouped.GemmTile(128, 128, 64, 8, 4), grouped.GemmTile(128, 256, 64, 8, 4)
+    modes = {
+        "per_tile": {},
+        "persistent": {"programs_per_sm": 1},
+        "persistent_flat": {"programs_per_sm": 1, "flatten": True},
+        "persistent_flat_s3": {"programs_per_sm": 1, "flatten": True, "stages": 3},
+        "persistent_ws": {"programs_per_sm": 1, "warp_specialize": True},
+        "persistent_flat_ws": {"programs_per_sm": 1, "flatten": True, "warp_specialize": True},
+    }
+    base = grouped.Tiles(g1, g2)
+    want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()
+    want2 = grouped.mm_tiled(act, w2, lay.ends, base)[:rows].float()
+    real = grouped.forward_tiles
+    for mode, change in modes.items():
+        tiles = grouped.Tiles(g1._replace(**change), g2._replace(**change))
+        runs = {
+            "gemm1": lambda t_=tiles: grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, t_, False)[1],
+            "gemm2": lambda t_=tiles: grouped.mm_tiled(act, w2, lay.ends, t_),
+        }
+        for kind, fn in runs.items():
+            rec: dict[str, Any] = {"gemm": kind, "provider": mode}
+            try:
+                got = fn()[:rows].float()
+                want = want1 if kind == "gemm1" else want2
+                rec["max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+                rec.update(_measure(fn))
+            except Exception as exc:
+                rec["error"] = repr(exc)[-600:]
+            out.append(rec)
+            print(rec, flush=True)
+        if any("error" in r for r in out[-2:]):
+            continue
+        grouped.forward_tiles = lambda *a, t_=tiles: t_
+        try:
+            rec = {"gemm": "layer_fwd", "provider": mode, **_measure(layer_run)}
+        finally:
+            grouped.forward_tiles = real
+        out.append(rec)
+        print(rec, flush=True)
+    return out
+
+
 def _measure(fn: Any) -> dict[str, Any]:
     from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
@@ -253,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--part", choices=["all", "tiles", "tiles2"], default="all")
+    p.add_argument("--part", choices=["all", "tiles", "tiles2", "persist"], default="all")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -273,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
         records += _tiles(lay, x_e, w1, w2, t, k)
     if args.part == "tiles2":
         records += _tiles2(lay, x_e, act, w1, w2)
+    if args.part == "persist":
+        layer = MoEExperts(e, h, f, dtype=torch.bfloat16, device=dev)
+        xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        wt = torch.rand(t, k, device=dev).softmax(-1)
+
+        def layer_fwd() -> Any:
+            with torch.no_grad():
+                return layer(xt, idx, wt)
+
+        records += _persist(lay, x_e, act, w1, w2, layer_fwd)
     for gemm, a, w, w_km, flops in (
         ()
         if args.part != "all"

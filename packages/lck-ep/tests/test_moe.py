@@ -124,13 +124,16 @@ def test_kernels_equal_torch(interpret, monkeypatch) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize(("experts", "alignment"), [(1, 1), (4, 1), (7, 3)])
+@pytest.mark.parametrize(
+    ("experts", "alignment", "persistent"), [(1, 1, False), (4, 1, False), (7, 3, False), (7, 3, True)]
+)
 def test_triton_forward_gemms_equal_the_separate_passes(
-    interpret, monkeypatch, experts: int, alignment: int
+    interpret, monkeypatch, experts: int, alignment: int, persistent: bool
 ) -> None:
     """grouped.gemm_swiglu (with and without h) and grouped.mm_tiled equal grouped.mm +
-    swiglu_weighted_fwd + grouped.mm on the rows in use, with an expert without rows and padded segments;
-    every output poisoned first."""
+    swiglu_weighted_fwd + grouped.mm on the rows in use, with an expert without rows and padded segments,
+    one program per tile or a persistent grid (fewer programs than tiles, each looping); every output
+    poisoned first."""
     from lck_ep.moe import grouped, launch
     from lck_ep.moe.permute import build_local_layout
 
@@ -149,6 +152,10 @@ def test_triton_forward_gemms_equal_the_separate_passes(
     y_ref = grouped.mm(act_ref, w2, lay.ends)
     tiles = grouped.forward_tiles(x, w1, w2)
     assert tiles is not None
+    if persistent:
+        tiles = grouped.Tiles(*(grouped.GemmTile(*t)._replace(programs_per_sm=1) for t in tiles))
+        # 4 programs (the CPU's stand-in SM count) for 6 experts with rows times 3 column tiles, at least
+        assert grouped._grid(tiles.gemm2, x_e.shape[0], experts, h, x.device) == (4,)
     empty = torch.empty  # outputs are allocated by the launches: NaN-fill them to see what they write
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     hh, act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, True)

@@ -30,40 +30,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _program_tile(ends_ptr, n_cols, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """(expert, first row, segment end, live, first column) of this program's tile: row tile
-    ``pid // n_tiles`` of the list of every expert's row tiles, column tile ``pid % n_tiles``; ``live`` is
-    false past the last row tile."""
-    pid = tl.program_id(0)
-    n_tiles = n_cols // BLOCK_N
-    mt = pid // n_tiles
+def _tile_counts(ends_ptr, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(tiles, cum)`` over ``E_BLOCK`` lanes: each expert's row tiles and their inclusive prefix sum."""
     e_ids = tl.arange(0, E_BLOCK)
     in_e = e_ids < NUM_E
     ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
     starts = tl.load(ends_ptr + e_ids - 1, mask=in_e & (e_ids > 0), other=0)
     tiles = tl.where(in_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, 0)
-    e = tl.sum((cum <= mt).to(tl.int32), 0)  # experts without rows have no tile and are stepped over
-    sel = e_ids == e
-    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
-    start = tl.sum(tl.where(sel, starts, 0), 0)
-    end = tl.sum(tl.where(sel, ends, 0), 0)
-    live = mt < tl.sum(tiles, 0)
-    return e, start + (mt - first) * BLOCK_M, end, live, (pid - mt * n_tiles) * BLOCK_N
+    return tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _locate(ends_ptr, mt, tiles, cum, BLOCK_M: tl.constexpr):
+    """(expert, first row, segment end) of row tile ``mt`` (< the total): the experts before it are those
+    whose cumulative tiles end at or before ``mt`` (experts without rows have no tile and are stepped over)."""
+    before = cum <= mt
+    e = tl.sum(before.to(tl.int32), 0)
+    first = tl.sum(tl.where(before, tiles, 0), 0)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    return e, start + (mt - first) * BLOCK_M, end
 
 
 @triton.jit
 def _swiglu_gemm_kernel(
     a_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act, NUM_E: tl.constexpr,
     E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Row tile x (gate, up) column tiles of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
     with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
     ``[BLOCK_M, BLOCK_K]`` blocks; ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``."""
-    e, row0, end, live, col0 = _program_tile(ends_ptr, ffn, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
-    if live:
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
+    n_tiles = ffn // BLOCK_N
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        mt = tile // n_tiles
+        col0 = (tile - mt * n_tiles) * BLOCK_N
+        e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,12 +96,18 @@ def _swiglu_gemm_kernel(
 @triton.jit
 def _grouped_gemm_kernel(
     a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
     ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
-    e, row0, end, live, col0 = _program_tile(ends_ptr, n_cols, NUM_E, E_BLOCK, BLOCK_M, BLOCK_N)
-    if live:
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
+    n_tiles = n_cols // BLOCK_N
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        mt = tile // n_tiles
+        col0 = (tile - mt * n_tiles) * BLOCK_N
+        e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
         b_row = e * k_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_dim, BLOCK_K):

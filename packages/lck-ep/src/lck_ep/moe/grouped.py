@@ -47,12 +47,28 @@ def grouped_fast(a: torch.Tensor) -> bool:
     return _fast_device(a.device.index if a.device.index is not None else torch.cuda.current_device())
 
 
-class Tiles(NamedTuple):
-    """Tiles of the Triton forward: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each GEMM;
-    the first GEMM's BLOCK_N columns are taken from the gate and from the up half each."""
+class GemmTile(NamedTuple):
+    """One Triton GEMM's launch: tile sizes, warps and pipeline stages, and the grid. ``programs_per_sm``
+    0 launches one program per tile of the most-tiles routing (programs past the last tile return at once);
+    a positive value launches that many programs per SM, each looping over tiles (persistent), with the
+    loop over tiles and K steps flattened into one pipelined loop when ``flatten``."""
 
-    gemm1: tuple[int, int, int, int, int]
-    gemm2: tuple[int, int, int, int, int]
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    programs_per_sm: int = 0
+    flatten: bool = False
+    warp_specialize: bool = False
+
+
+class Tiles(NamedTuple):
+    """Launches of the Triton forward's two GEMMs (:class:`GemmTile` or its fields as a tuple); the first
+    GEMM's ``block_n`` columns are taken from the gate and from the up half each."""
+
+    gemm1: GemmTile
+    gemm2: GemmTile
 
 
 @functools.cache
@@ -86,7 +102,7 @@ def forward_tiles(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Tiles 
     bn1, bn2 = _divisor(ffn, n1), _divisor(hidden, n2)
     if bn1 is None or bn2 is None or hidden % bk or ffn % bk:
         return None
-    return Tiles((bm, bn1, bk, warps, stages), (bm, bn2, bk, warps, stages))
+    return Tiles(GemmTile(bm, bn1, bk, warps, stages), GemmTile(bm, bn2, bk, warps, stages))
 
 
 def tma_rows(t: torch.Tensor) -> bool:
@@ -105,9 +121,22 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def _grid_rows(m: int, num_experts: int, block_m: int) -> int:
-    """Row tiles of the most-tiles routing: every expert's segment may end in a partial tile."""
-    return -(-m // block_m) + num_experts
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(t: GemmTile, m: int, num_experts: int, n_cols: int, device: torch.device) -> tuple[int]:
+    """Programs of one launch: every tile of the most-tiles routing (each expert's segment may end in a
+    partial row tile), or at most ``programs_per_sm`` per SM when persistent."""
+    most = (-(-m // t.block_m) + num_experts) * (n_cols // t.block_n)
+    if t.programs_per_sm <= 0:
+        return (most,)
+    if device.type != "cuda":
+        sms = 4  # the interpreter: a few programs, each looping over several tiles
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return (max(1, min(most, sms * t.programs_per_sm)),)
 
 
 def gemm_swiglu(
@@ -123,13 +152,13 @@ def gemm_swiglu(
     h = torch.empty(m, 2 * ffn, dtype=a.dtype, device=a.device) if keep_h else None
     if m == 0:
         return h, act
-    bm, bn, bk, warps, stages = tiles.gemm1
-    grid = (_grid_rows(m, e, bm) * (ffn // bn),)
-    _kernels()._swiglu_gemm_kernel[grid](
+    t = GemmTile(*tiles.gemm1)
+    bm, bn, bk = t.block_m, t.block_n, t.block_k
+    _kernels()._swiglu_gemm_kernel[_grid(t, m, e, ffn, a.device)](
         _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
         h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return h, act
 
@@ -141,12 +170,12 @@ def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles)
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = tiles.gemm2
-    grid = (_grid_rows(m, e, bm) * (n // bn),)
-    _kernels()._grouped_gemm_kernel[grid](
+    t = GemmTile(*tiles.gemm2)
+    bm, bn, bk = t.block_m, t.block_n, t.block_k
+    _kernels()._grouped_gemm_kernel[_grid(t, m, e, n, a.device)](
         _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
-        NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages,
+        NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten,
+        WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out
 
