@@ -152,8 +152,8 @@ def test_triton_forward_gemms_equal_the_separate_passes(
     y_ref = grouped.mm(act_ref, w2, lay.ends)
     tiles = grouped.forward_tiles(x, w1, w2)
     assert tiles is not None
+    tiles = grouped.Tiles(*(grouped.GemmTile(*t)._replace(programs_per_sm=int(persistent)) for t in tiles))
     if persistent:
-        tiles = grouped.Tiles(*(grouped.GemmTile(*t)._replace(programs_per_sm=1) for t in tiles))
         # 4 programs (the CPU's stand-in SM count) for 6 experts with rows times 3 column tiles, at least
         assert grouped._grid(tiles.gemm2, x_e.shape[0], experts, h, x.device) == (4,)
     empty = torch.empty  # outputs are allocated by the launches: NaN-fill them to see what they write

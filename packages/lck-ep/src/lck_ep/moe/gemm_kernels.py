@@ -1,12 +1,14 @@
 """Triton grouped GEMMs of the MoE experts layer's forward, over the expert-major layout.
 
-Both kernels tile each expert's segment of rows (``ends`` ``[E]`` int32, cumulative) separately: program
-``p`` takes row tile ``p // n_tiles`` of the list of every expert's row tiles and column tile
-``p % n_tiles``. Each program finds its expert from ``ends`` itself (a prefix sum over at most a few
-hundred experts, in registers), so nothing is read on the host and the grid is sized for the most tiles
-any routing can need (``cdiv(M, BLOCK_M) + E`` row tiles); programs past the last tile return at once.
-Weights are read through TMA descriptors of the contiguous ``[E * K, N]`` weight matrix; rows of another
-expert that a tile's loads bring in are masked at the store.
+Both kernels tile each expert's segment of rows (``ends`` ``[E]`` int32, cumulative) separately: tile
+``i`` is row tile ``i // n_tiles`` of the list of every expert's row tiles and column tile ``i % n_tiles``.
+A program finds a tile's expert from ``ends`` itself (a prefix sum over at most a few hundred experts, in
+registers), so nothing is read on the host, and loops over tiles ``pid, pid + programs, ...`` up to the
+routing's tile count: with one program per tile of the most-tiles routing (``cdiv(M, BLOCK_M) + E`` row
+tiles) that is at most one tile, with a persistent grid (one program per SM) several, and the tile and K
+loops can then be flattened into one software pipeline (``FLATTEN``). Weights are read through TMA
+descriptors of the contiguous ``[E * K, N]`` weight matrix; rows of another expert that a tile's loads
+bring in are masked at the store.
 
 - ``_swiglu_gemm_kernel``: ``act = w * silu(g) * u`` with ``[g, u] = a @ W1[e]``, the gate and up column
   tiles of one program side by side (two accumulators), so the activation needs no pass over ``h``; writes
@@ -17,8 +19,8 @@ expert that a tile's loads bring in are masked at the store.
 - ``_grouped_gemm_kernel``: ``out[rows of e] = a[rows of e] @ W[e]``.
 
 Measured on one H200 at the Qwen3-30B-A3B expert shape (``benchmarks/grouped_gemm_probe.py``), the plain
-kernel at 128×256×64 tiles is 3-4% faster than ``torch._grouped_mm``. Launches and tile choice:
-``grouped.py``.
+kernel at 128×256×64 tiles is 3-4% faster than ``torch._grouped_mm`` with one program per tile, and 0.360
+against 0.405 ms back to back on a flattened persistent grid. Launches, tiles and grids: ``grouped.py``.
 """
 
 from __future__ import annotations
