@@ -330,6 +330,33 @@ def test_demo_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_demo_resets_megatron_moe_metrics_between_models() -> None:
+    """Megatron's per-layer MoE metrics are sized by the first model that records them: the demo drops them
+    (as Megatron's training loop clears them each step), so a deeper model after a shallower one in the
+    same process does not fail in its router."""
+    from lck_megatron._demo_models import reset_moe_metrics
+
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        def record(layer: int, layers: int) -> None:
+            get_moe_metrics_tracker().record("load_balancing_loss", torch.tensor(0.5), layer, layers)
+
+    except ImportError:  # Megatron-Core 0.16
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        def record(layer: int, layers: int) -> None:
+            save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), layer, layers)
+
+    reset_moe_metrics()
+    record(2, 2)
+    with pytest.raises(IndexError):
+        record(3, 4)
+    reset_moe_metrics()
+    record(3, 4)
+    reset_moe_metrics()
+
+
 @pytest.mark.gpu
 def test_demo_moe_agrees_and_runs_every_layer_through_lck(tmp_path: Any) -> None:
     """``lck demo --moe`` with its defaults: the loss curves agree (the demo's own check), every MoE layer ran

@@ -323,10 +323,28 @@ def _moe_settings(shape: ModelShape) -> dict[str, Any]:
     )
 
 
+def reset_moe_metrics() -> None:
+    """Drop Megatron's per-layer MoE metrics (the router's load-balancing loss per layer). Its training loop
+    reports and clears them every step; the demo does not report them, and a tracker left from an earlier
+    model in the same process is sized by that model's layer count (an IndexError with a deeper one)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging  # Megatron-Core 0.17 and later
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        return
+    moe_logging.destroy_moe_metrics_tracker()
+
+
 def megatron_step_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    reset_moe_metrics()
+
     def step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        return model(tokens, pos, None, labels=labels).float().mean()  # per-token loss [b, s]
+        loss = model(tokens, pos, None, labels=labels).float().mean()  # per-token loss [b, s]
+        reset_moe_metrics()  # as Megatron's training loop clears them once it has logged them
+        return loss
 
     return step
 
