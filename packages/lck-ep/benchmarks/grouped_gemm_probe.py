@@ -252,41 +252,34 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
 
 def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> list[dict[str, Any]]:
     """Both forward GEMMs with one program per tile against persistent grids (one program per SM looping
-    over tiles, the tile and K loops flattened or not, half-height last row tiles), alone and in the layer's
-    forward (``grouped.forward_tiles`` replaced by each pair in turn)."""
+    over tiles, the tile and K loops flattened or not, automatic warp specialisation), alone and in the
+    layer's forward (``grouped.forward_tiles`` replaced by each choice in turn)."""
     from lck_ep.moe import grouped
 
     out: list[dict[str, Any]] = []
     w_e = torch.rand(x_e.shape[0], device=x_e.device)
     rows = int(lay.ends[-1])
     g1, g2 = grouped.GemmTile(128, 128, 64, 8, 4), grouped.GemmTile(128, 256, 64, 8, 4)
-    p, pf = {"programs_per_sm": 1}, {"programs_per_sm": 1, "flatten": True}
-    half = {"half_tail": True}
-    pairs = {  # (first GEMM's changes, second GEMM's changes)
-        "per_tile": ({}, {}),
-        "persistent/flat": (p, pf),
-        "persistent_half/flat": ({**p, **half}, pf),
-        "persistent_half/flat_half": ({**p, **half}, {**pf, **half}),
-        "persistent_half/persistent_half": ({**p, **half}, {**p, **half}),
+    modes = {
+        "per_tile": {},
+        "persistent": {"programs_per_sm": 1},
+        "persistent_flat": {"programs_per_sm": 1, "flatten": True},
+        "persistent_flat_s3": {"programs_per_sm": 1, "flatten": True, "stages": 3},
+        "persistent_ws": {"programs_per_sm": 1, "warp_specialize": True},
+        "persistent_flat_ws": {"programs_per_sm": 1, "flatten": True, "warp_specialize": True},
     }
     base = grouped.Tiles(g1, g2)
     want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()
     want2 = grouped.mm_tiled(act, w2, lay.ends, base)[:rows].float()
     real = grouped.forward_tiles
-    seen: set[tuple[str, Any]] = set()
-    for mode, (c1, c2) in pairs.items():
-        tiles = grouped.Tiles(g1._replace(**c1), g2._replace(**c2))
+    for mode, change in modes.items():
+        tiles = grouped.Tiles(g1._replace(**change), g2._replace(**change))
         runs = {
             "gemm1": lambda t_=tiles: grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, t_, False)[1],
             "gemm2": lambda t_=tiles: grouped.mm_tiled(act, w2, lay.ends, t_),
         }
-        failed = False
         for kind, fn in runs.items():
-            key = (kind, tiles.gemm1 if kind == "gemm1" else tiles.gemm2)
-            if key in seen:
-                continue
-            seen.add(key)
-            rec: dict[str, Any] = {"gemm": kind, "provider": mode, "tile": list(key[1])}
+            rec: dict[str, Any] = {"gemm": kind, "provider": mode}
             try:
                 got = fn()[:rows].float()
                 want = want1 if kind == "gemm1" else want2
@@ -294,19 +287,17 @@ def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> 
                 rec.update(_measure(fn))
             except Exception as exc:
                 rec["error"] = repr(exc)[-600:]
-                failed = True
             out.append(rec)
             print(rec, flush=True)
-        if failed:
+        if any("error" in r for r in out[-2:]):
             continue
         grouped.forward_tiles = lambda *a, t_=tiles: t_
         try:
-            for _ in range(2):  # twice: the spread between the two is the noise
-                rec = {"gemm": "layer_fwd", "provider": mode, **_measure(layer_run)}
-                out.append(rec)
-                print(rec, flush=True)
+            rec = {"gemm": "layer_fwd", "provider": mode, **_measure(layer_run)}
         finally:
             grouped.forward_tiles = real
+        out.append(rec)
+        print(rec, flush=True)
     return out
 
 

@@ -55,46 +55,14 @@ def _locate(ends_ptr, mt, tiles, cum, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_tile(a_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h, stride_act,
-                 WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``BLOCK_M`` x (gate, up) tile of the first GEMM and its weighted SwiGLU epilogue."""
-    b_row = e * hidden
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, hidden, BLOCK_K):
-        a = a_desc.load([row0, k])
-        acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-        acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
-    g = acc_g.to(act_ptr.dtype.element_ty)
-    u = acc_u.to(act_ptr.dtype.element_ty)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    cols = col0 + tl.arange(0, BLOCK_N)
-    r64 = rows.to(tl.int64)
-    out_ok = row_ok[:, None] & (cols < ffn)[None, :]
-    if WRITE_H:
-        h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
-        tl.store(h_rows, g, mask=out_ok)
-        tl.store(h_rows + ffn, u, mask=out_ok)
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-    gf = g.to(tl.float32)
-    act = gf * tl.sigmoid(gf) * u.to(tl.float32)
-    tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
-             mask=out_ok)
-
-
-@triton.jit
 def _swiglu_gemm_kernel(
-    a_desc, a_half_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act,
-    NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    a_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act, NUM_E: tl.constexpr,
+    E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Row tile x (gate, up) column tiles of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
     with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
-    ``[BLOCK_M, BLOCK_K]`` blocks (``a_half_desc`` in ``[BLOCK_M // 2, BLOCK_K]``); ``b_desc``: W1 as
-    ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``. ``HALF_TAIL``: a segment's last row tile with at
-    most ``BLOCK_M // 2`` rows runs at half height."""
+    ``[BLOCK_M, BLOCK_K]`` blocks; ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``."""
     tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = ffn // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
@@ -102,37 +70,39 @@ def _swiglu_gemm_kernel(
         mt = tile // n_tiles
         col0 = (tile - mt * n_tiles) * BLOCK_N
         e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
-        if HALF_TAIL and end - row0 <= BLOCK_M // 2:
-            _swiglu_tile(a_half_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h,
-                         stride_act, WRITE_H, BLOCK_M // 2, BLOCK_N, BLOCK_K)
-        else:
-            _swiglu_tile(a_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h,
-                         stride_act, WRITE_H, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _gemm_tile(a_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``BLOCK_M`` x ``BLOCK_N`` tile of ``a[rows of e] @ W[e]``, stored up to the segment's end."""
-    b_row = e * k_dim
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_dim, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([b_row + k, col0]), acc)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = col0 + tl.arange(0, BLOCK_N)
-    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
-    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
+        b_row = e * hidden
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            a = a_desc.load([row0, k])
+            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+        g = acc_g.to(act_ptr.dtype.element_ty)
+        u = acc_u.to(act_ptr.dtype.element_ty)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = col0 + tl.arange(0, BLOCK_N)
+        r64 = rows.to(tl.int64)
+        out_ok = row_ok[:, None] & (cols < ffn)[None, :]
+        if WRITE_H:
+            h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
+            tl.store(h_rows, g, mask=out_ok)
+            tl.store(h_rows + ffn, u, mask=out_ok)
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        gf = g.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+        tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=out_ok)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_half_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr,
-    E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HALF_TAIL: tl.constexpr,
+    a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
-    """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks
-    (``a_half_desc`` in ``[BLOCK_M // 2, BLOCK_K]``), ``b_desc`` W as ``[E * K, N]`` in
-    ``[BLOCK_K, BLOCK_N]`` blocks; ``HALF_TAIL`` as in ``_swiglu_gemm_kernel``."""
+    """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
+    ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
     tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = n_cols // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
@@ -140,12 +110,14 @@ def _grouped_gemm_kernel(
         mt = tile // n_tiles
         col0 = (tile - mt * n_tiles) * BLOCK_N
         e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
-        if HALF_TAIL and end - row0 <= BLOCK_M // 2:
-            _gemm_tile(a_half_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M // 2,
-                       BLOCK_N, BLOCK_K)
-        else:
-            _gemm_tile(a_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+        b_row = e * k_dim
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_dim, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k]), b_desc.load([b_row + k, col0]), acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
 
 
 # fmt: on

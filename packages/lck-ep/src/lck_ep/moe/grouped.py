@@ -61,7 +61,6 @@ class GemmTile(NamedTuple):
     programs_per_sm: int = 0
     flatten: bool = False
     warp_specialize: bool = False
-    half_tail: bool = False  # a segment's last row tile with at most block_m / 2 rows at half height
 
 
 class Tiles(NamedTuple):
@@ -162,14 +161,11 @@ def gemm_swiglu(
         return h, act
     t = GemmTile(*tiles.gemm1)
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    a_desc = _descriptor(a, [bm, bk])
     _kernels()._swiglu_gemm_kernel[_grid(t, m, e, ffn, a.device)](
-        a_desc, _descriptor(a, [bm // 2, bk]) if t.half_tail else a_desc,
-        _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
+        _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
         h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, HALF_TAIL=t.half_tail, num_warps=t.warps,
-        num_stages=t.stages,
+        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return h, act
 
@@ -183,12 +179,10 @@ def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles)
         return out
     t = GemmTile(*tiles.gemm2)
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    a_desc = _descriptor(a, [bm, bk])
     _kernels()._grouped_gemm_kernel[_grid(t, m, e, n, a.device)](
-        a_desc, _descriptor(a, [bm // 2, bk]) if t.half_tail else a_desc, _descriptor(b.view(e * k, n), [bk, bn]),
-        out, ends, n, k, out.stride(0), NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, HALF_TAIL=t.half_tail,
-        num_warps=t.warps, num_stages=t.stages,
+        _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
+        NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten,
+        WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out
 
