@@ -397,6 +397,39 @@ def test_cuda_bf16_matches_float64(alignment: int) -> None:
     assert not m.weight1.grad[7].any() and not m.weight2.grad[7].any(), "the empty expert got a gradient"
 
 
+@pytest.mark.gpu
+def test_cuda_repeated_calls_take_no_generic_triton_launch(monkeypatch) -> None:
+    """After the first call, forward and backward launch every Triton kernel through its pre-bound launcher
+    (lck_ep.moe.launch.run), never through Triton's generic ``JITFunction.run``: the host cost per call."""
+    from triton.runtime.jit import JITFunction
+
+    from lck_ep import MoEExperts
+
+    dev = torch.device("cuda")
+    m = MoEExperts(16, 256, 128, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(512, 256, device=dev).bfloat16().requires_grad_()
+    idx = torch.rand(512, 16, device=dev).argsort(1)[:, :4]
+    w = torch.rand(512, 4, device=dev).requires_grad_()
+
+    def step() -> None:
+        torch.autograd.grad(m(x, idx, w).float().sum(), (x, w, m.weight1, m.weight2))
+        with torch.no_grad():
+            m(x, idx, w)
+
+    step()  # compiles and remembers each launcher
+    generic: list[str] = []
+    real_run = JITFunction.run
+
+    def counting(self, *args, **kwargs):
+        generic.append(getattr(self, "__name__", repr(self)))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counting)
+    step()
+    torch.cuda.synchronize()
+    assert generic == [], f"generic Triton launches: {generic}"
+
+
 def test_benchmark_cpu_smoke(interpret, tmp_path) -> None:
     """`lck bench moe --cpu` runs at a tiny shape and writes its files; the providers' outputs agree."""
     import json

@@ -35,6 +35,20 @@ def test_an_empty_hook_chain_is_no_hook():
     assert _eager._hook_set(chain)
 
 
+def test_a_tma_descriptor_is_keyed_by_dtype_block_and_dims():
+    """Host TMA descriptors (lck-ep's grouped GEMMs) share a compiled launcher only where Triton would."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def key(t, block):
+        return _eager._specialisation((TensorDescriptor.from_tensor(t, block), 3))
+
+    a = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert key(a, [16, 16]) == key(torch.empty(128, 32, dtype=torch.bfloat16), [16, 16])
+    assert key(a, [16, 16]) != key(a.half(), [16, 16])
+    assert key(a, [16, 16]) != key(a, [32, 16])
+    assert key(a, [16, 16]) != key(torch.empty(72, 32, dtype=torch.bfloat16), [16, 16])  # rows not % 16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher needs a CUDA device")
 def test_repeated_eager_calls_take_no_generic_launch(monkeypatch):

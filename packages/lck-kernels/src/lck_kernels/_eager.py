@@ -256,6 +256,12 @@ def _specialisation(args: tuple[Any, ...]) -> tuple[Any, ...]:
             key.append((a == 1, (a & 15) == 0, -_I32 <= a < _I32))
         elif isinstance(a, torch.Tensor):  # parameters too (a weight is usually one)
             key.append((a.dtype, (a.data_ptr() & 15) == 0))
+        elif isinstance(getattr(a, "base", None), torch.Tensor) and hasattr(a, "block_shape"):
+            # A host TMA descriptor (triton.tools.tensor_descriptor.TensorDescriptor): its element type,
+            # block and padding, and its shape and strides as ints.
+            dims = (*a.shape, *a.strides)
+            key.append((a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None), (a.base.data_ptr() & 15) == 0,
+                        tuple((d == 1, (d & 15) == 0, -_I32 <= d < _I32) for d in dims)))  # fmt: skip
         else:
             key.append(type(a))
     return tuple(key)

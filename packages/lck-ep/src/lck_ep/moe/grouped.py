@@ -161,7 +161,7 @@ def gemm_swiglu(
         return h, act
     t = GemmTile(*tiles.gemm1)
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    _kernels()._swiglu_gemm_kernel[_grid(t, m, e, ffn, a.device)](
+    launch.run(_kernels()._swiglu_gemm_kernel, _grid(t, m, e, ffn, a.device),
         _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
         h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -179,7 +179,7 @@ def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles)
         return out
     t = GemmTile(*tiles.gemm2)
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    _kernels()._grouped_gemm_kernel[_grid(t, m, e, n, a.device)](
+    launch.run(_kernels()._grouped_gemm_kernel, _grid(t, m, e, n, a.device),
         _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten,
         WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -30,6 +31,22 @@ def _kernels():  # imported on first use: `import lck_ep.moe` stays cheap
     from lck_ep.moe import kernels
 
     return kernels
+
+
+@functools.cache
+def _launch_for():  # lck-kernels (and Triton) imported on first use: `import lck_ep.moe` stays cheap
+    from lck_kernels._eager import launch_for
+
+    return launch_for
+
+
+def run(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)`` through lck-kernels' pre-bound launcher: on a GPU the compiled
+    kernel's own entry point, fetched once per argument specialisation, instead of Triton's generic
+    per-call path (argument binding, specialisation and cache key on every call); the interpreter and launch
+    hooks (profilers) keep the generic path. ``args``: every runtime argument in the kernel's order; ``meta``: its constexprs and
+    launch options."""
+    _launch_for()(kernel, **meta).raw(grid, *args)
 
 
 def next_pow2(n: int) -> int:
@@ -70,7 +87,7 @@ def gather_rows(
     block_n = min(next_pow2(h), 256)
     block_m = max(1, 2048 // block_n)
     grid = (triton_cdiv(m, block_m), triton_cdiv(h, block_n))
-    _kernels()._gather_rows_kernel[grid](
+    run(_kernels()._gather_rows_kernel, grid,
         x, w_flat if w_flat is not None else out, entry, out, w_out if w_out is not None else out,
         m, h, num_topk, x.stride(0), out.stride(0),
         HAS_W=w_flat is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
@@ -90,7 +107,7 @@ def swiglu_weighted_fwd(h: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) ->
         act.copy_(torch.nn.functional.silu(g) * u * w.unsqueeze(1))
         return act
     bm, bn, warps = _row_config(f)
-    _kernels()._swiglu_weighted_fwd_kernel[(triton_cdiv(m, bm), triton_cdiv(f, bn))](
+    run(_kernels()._swiglu_weighted_fwd_kernel, (triton_cdiv(m, bm), triton_cdiv(f, bn)),
         h, w, act, ends[-1:], f, h.stride(0), act.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
     )  # fmt: skip
     return act
@@ -122,7 +139,7 @@ def swiglu_weighted_bwd(
     # Whole rows per program (the weight gradient is a row sum): a few rows of up to 256 columns at a time.
     bn = min(next_pow2(f), 256)
     bm = max(1, 1024 // bn)
-    _kernels()._swiglu_weighted_bwd_kernel[(triton_cdiv(m, bm),)](
+    run(_kernels()._swiglu_weighted_bwd_kernel, (triton_cdiv(m, bm),),
         h, w, dact, dh, dw, act, ends[-1:], m, f, h.stride(0), dact.stride(0), dh.stride(0), act.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
     )  # fmt: skip
@@ -146,7 +163,7 @@ def reduce_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         out.copy_(acc)
         return out
     block_n = min(next_pow2(h), 1024)
-    _kernels()._reduce_rows_kernel[(t, triton_cdiv(h, block_n))](
+    run(_kernels()._reduce_rows_kernel, (t, triton_cdiv(h, block_n)),
         y, index, out, h, k, y.stride(0), out.stride(0), BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip
     return out
@@ -163,7 +180,7 @@ def zero_empty_experts(out: torch.Tensor, ends: torch.Tensor) -> None:
         keep = (ends > starts).view(-1, *([1] * (out.dim() - 1)))
         out.copy_(torch.where(keep, out, torch.zeros((), dtype=out.dtype)))
         return
-    _kernels()._zero_empty_experts_kernel[(num, 16)](out, ends, per, SPLITS=16, BLOCK=1024, num_warps=4)
+    run(_kernels()._zero_empty_experts_kernel, (num, 16), out, ends, per, SPLITS=16, BLOCK=1024, num_warps=4)
 
 
 def triton_cdiv(a: int, b: int) -> int:
