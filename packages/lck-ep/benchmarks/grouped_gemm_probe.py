@@ -41,11 +41,10 @@ def _program_tile(ends_ptr, n_cols, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, 
     """(expert, first row, segment end, live, first column) of this program's tile, one program per tile."""
     pid = tl.program_id(0)
     n_tiles = n_cols // BLOCK_N
-    mt = pid // n_tiles
     tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
-    live = mt < tl.sum(tiles, 0)
-    e, row0, end = _locate(ends_ptr, tl.where(live, mt, 0), tiles, cum, BLOCK_M)
-    return e, row0, end, live, (pid - mt * n_tiles) * BLOCK_N
+    live = pid < tl.sum(tiles, 0) * n_tiles
+    e, row0, end, col0 = _locate(ends_ptr, tl.where(live, pid, 0), n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
+    return e, row0, end, live, col0
 
 
 @triton.jit

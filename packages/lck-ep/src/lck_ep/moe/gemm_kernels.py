@@ -43,15 +43,17 @@ def _tile_counts(ends_ptr, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _locate(ends_ptr, mt, tiles, cum, BLOCK_M: tl.constexpr):
-    """(expert, first row, segment end) of row tile ``mt`` (< the total): the experts before it are those
-    whose cumulative tiles end at or before ``mt`` (experts without rows have no tile and are stepped over)."""
+def _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(expert, first row, segment end, first column) of ``tile`` (< the total): row tile ``tile // n_tiles``
+    of the list of every expert's row tiles, column tile ``tile % n_tiles``. The experts before the row tile
+    are those whose cumulative tiles end at or before it (experts without rows have no tile)."""
+    mt = tile // n_tiles
     before = cum <= mt
     e = tl.sum(before.to(tl.int32), 0)
     first = tl.sum(tl.where(before, tiles, 0), 0)
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(ends_ptr + e)
-    return e, start + (mt - first) * BLOCK_M, end
+    return e, start + (mt - first) * BLOCK_M, end, (tile - mt * n_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -67,9 +69,7 @@ def _swiglu_gemm_kernel(
     n_tiles = ffn // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE, disallow_acc_multi_buffer=ONE_ACC_BUFFER):
-        mt = tile // n_tiles
-        col0 = (tile - mt * n_tiles) * BLOCK_N
-        e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
+        e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -107,9 +107,7 @@ def _grouped_gemm_kernel(
     n_tiles = n_cols // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE, disallow_acc_multi_buffer=ONE_ACC_BUFFER):
-        mt = tile // n_tiles
-        col0 = (tile - mt * n_tiles) * BLOCK_N
-        e, row0, end = _locate(ends_ptr, mt, tiles, cum, BLOCK_M)
+        e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
         b_row = e * k_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_dim, BLOCK_K):
