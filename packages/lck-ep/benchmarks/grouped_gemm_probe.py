@@ -251,9 +251,9 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
 
 def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> list[dict[str, Any]]:
     """Pairs of launch choices for the two forward GEMMs (one program per tile; persistent grids with the
-    tile and K loops flattened or not, accumulators kept single-buffered in the flattened pipeline, warp
-    specialisation), each GEMM alone and the layer's forward with the pair (``grouped.forward_tiles``
-    replaced), the layer twice."""
+    tile and K loops flattened or not, warp specialisation), each GEMM alone and the layer's forward with the
+    pair (``grouped.forward_tiles`` replaced), the layer twice. (f2b9517 also tried Triton's
+    ``disallow_acc_multi_buffer`` on the flattened first GEMM: no change, 0.92 ms.)"""
     from lck_ep.moe import grouped
 
     out: list[dict[str, Any]] = []
@@ -262,14 +262,12 @@ def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> 
     g1, g2 = grouped.GemmTile(128, 128, 64, 8, 4), grouped.GemmTile(128, 256, 64, 8, 4)
     p = {"programs_per_sm": 1}
     pf = {**p, "flatten": True}
-    one = {**pf, "one_acc_buffer": True}
     pairs = {  # name: (first GEMM's changes, second GEMM's changes)
         "per_tile": ({}, {}),
         "persistent/flat": (p, pf),
-        "flat_one_acc/flat": (one, pf),
-        "flat_one_acc_s3/flat": ({**one, "stages": 3}, pf),
-        "flat_one_acc_ws/flat": ({**one, "warp_specialize": True}, pf),
-        "persistent/flat_one_acc": (p, one),
+        "flat/flat": (pf, pf),
+        "flat_ws/flat": ({**pf, "warp_specialize": True}, pf),
+        "persistent_ws/flat": ({**p, "warp_specialize": True}, pf),
     }
     base = grouped.Tiles(g1, g2)
     want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()

@@ -60,7 +60,7 @@ def _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_N:
 def _swiglu_gemm_kernel(
     a_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act, NUM_E: tl.constexpr,
     E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ONE_ACC_BUFFER: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Row tile x (gate, up) column tiles of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
     with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
@@ -68,7 +68,7 @@ def _swiglu_gemm_kernel(
     tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = ffn // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE, disallow_acc_multi_buffer=ONE_ACC_BUFFER):
+                         warp_specialize=WARP_SPECIALIZE):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -99,14 +99,14 @@ def _swiglu_gemm_kernel(
 def _grouped_gemm_kernel(
     a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, ONE_ACC_BUFFER: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
     ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
     tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = n_cols // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE, disallow_acc_multi_buffer=ONE_ACC_BUFFER):
+                         warp_specialize=WARP_SPECIALIZE):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
         b_row = e * k_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

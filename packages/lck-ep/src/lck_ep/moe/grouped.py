@@ -61,7 +61,6 @@ class GemmTile(NamedTuple):
     programs_per_sm: int = 0
     flatten: bool = False
     warp_specialize: bool = False
-    one_acc_buffer: bool = False  # keep the flattened pipeline from multi-buffering the accumulators
 
 
 class Tiles(NamedTuple):
@@ -166,8 +165,7 @@ def gemm_swiglu(
         _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
         h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, ONE_ACC_BUFFER=t.one_acc_buffer,
-        num_warps=t.warps, num_stages=t.stages,
+        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return h, act
 
@@ -184,8 +182,7 @@ def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles)
     launch.run(_kernels()._grouped_gemm_kernel, _grid(t, m, e, n, a.device),
         _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten,
-        WARP_SPECIALIZE=t.warp_specialize, ONE_ACC_BUFFER=t.one_acc_buffer, num_warps=t.warps,
-        num_stages=t.stages,
+        WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out
 
