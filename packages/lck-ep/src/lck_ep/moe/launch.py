@@ -43,9 +43,9 @@ def _launch_for():  # lck-kernels (and Triton) imported on first use: `import lc
 def run(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)`` through lck-kernels' pre-bound launcher: on a GPU the compiled
     kernel's own entry point, fetched once per argument specialisation, instead of Triton's generic
-    per-call path (argument binding, specialisation and cache key on every call); the interpreter and launch
-    hooks (profilers) keep the generic path. ``args``: every runtime argument in the kernel's order; ``meta``: its constexprs and
-    launch options."""
+    per-call path (argument binding, specialisation and cache key on every call); the interpreter and
+    launch hooks (profilers) keep the generic path. ``args``: every runtime argument in the kernel's order;
+    ``meta``: its constexprs and launch options."""
     _launch_for()(kernel, **meta).raw(grid, *args)
 
 

@@ -78,31 +78,13 @@ def _triton_layout(
     kern = _kernels()
     if chunks:
         launch.run(
-            kern._layout_count_kernel,
-            (chunks,),
-            flat,
-            counts,
-            bad,
-            n,
-            e,
-            CHUNK=chunk,
-            E_BLOCK=e_block,
+            kern._layout_count_kernel, (chunks,), flat, counts, bad, n, e, CHUNK=chunk, E_BLOCK=e_block,
             num_warps=4,
-        )
+        )  # fmt: skip
     launch.run(
-        kern._layout_scan_kernel,
-        (e_block // 16,),
-        counts,
-        prefix,
-        totals,
-        bad,
-        ok,
-        chunks,
-        E_BLOCK=e_block,
-        COLS=16,
-        ROWS=512,
-        num_warps=4,
-    )
+        kern._layout_scan_kernel, (e_block // 16,), counts, prefix, totals, bad, ok, chunks, E_BLOCK=e_block,
+        COLS=16, ROWS=512, num_warps=4,
+    )  # fmt: skip
     launch.run(kern._layout_place_kernel, (max(chunks, 1),),
         flat, prefix, totals, entry, index, offsets, ends, n, e, alignment, CHUNK=chunk, E_BLOCK=e_block,
         num_warps=4,
