@@ -113,6 +113,14 @@ inline const Driver& driver() {
   return d;
 }
 
+// Throws "<who>: <what> failed: <the driver's error name>" unless rc is CUDA_SUCCESS.
+inline void driver_check(CUresult rc, const char* who, const char* what) {
+  if (rc == CUDA_SUCCESS) return;
+  const char* name = "?";
+  if (driver().error_name != nullptr) driver().error_name(rc, &name);
+  throw std::runtime_error(std::string(who) + ": " + what + " failed: " + name);
+}
+
 // The variant key of a launch into `key` (reused: no allocation per launch once it has grown).
 template <size_t N>
 void variant_key(int device, const std::array<Arg, N>& args, std::string& key) {
@@ -247,13 +255,9 @@ void launch_args(int slot, std::array<unsigned, 3> grid, int device, const std::
   }
   CUstream stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const Driver& d = driver();
-  CUresult rc = d.launch(v->fn, grid[0], grid[1], grid[2], v->block, 1, 1, v->shared, stream, params.data(),
-                         nullptr);
-  if (rc != CUDA_SUCCESS) {
-    const char* name = "?";
-    if (d.error_name != nullptr) d.error_name(rc, &name);
-    throw std::runtime_error(std::string("lck host: cuLaunchKernel failed: ") + name);
-  }
+  driver_check(d.launch(v->fn, grid[0], grid[1], grid[2], v->block, 1, 1, v->shared, stream, params.data(),
+                        nullptr),
+               "lck host", "cuLaunchKernel");
   reg.direct_launches.fetch_add(1, std::memory_order_relaxed);
 }
 

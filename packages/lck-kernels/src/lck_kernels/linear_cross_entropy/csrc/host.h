@@ -118,25 +118,35 @@ inline bool lce_on_cuda(const at::Tensor& t) {
 #endif
 }
 
+// (A torch without libtorch_cuda has no at::cuda entry points: those builds compile the dispatcher calls only.)
 inline void lce_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (lce_on_cuda(out))
+#if LCK_HOST_ATEN_CUDA
+  if (lce_on_cuda(out)) {
     at::cuda::mm_out(out, a, b);
-  else
-    at::mm_out(out, a, b);
+    return;
+  }
+#endif
+  at::mm_out(out, a, b);
 }
 
 inline void lce_addmm_out(at::Tensor& out, const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
-  if (lce_on_cuda(out))
+#if LCK_HOST_ATEN_CUDA
+  if (lce_on_cuda(out)) {
     at::cuda::addmm_out(out, bias, a, b);
-  else
-    at::addmm_out(out, bias, a, b);
+    return;
+  }
+#endif
+  at::addmm_out(out, bias, a, b);
 }
 
 inline void lce_addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b) {
-  if (lce_on_cuda(self))
+#if LCK_HOST_ATEN_CUDA
+  if (lce_on_cuda(self)) {
     at::cuda::addmm_(self, a, b);
-  else
-    self.addmm_(a, b);
+    return;
+  }
+#endif
+  self.addmm_(a, b);
 }
 
 // _run_with_grads' side stream: each chunk's grad_W update runs on it beside the chunk's grad_x GEMM on the
@@ -147,12 +157,7 @@ struct LceSide {
   CUevent ready = nullptr, done = nullptr;
 };
 
-inline void lce_check(CUresult rc, const char* what) {
-  if (rc == CUDA_SUCCESS) return;
-  const char* name = "?";
-  if (driver().error_name != nullptr) driver().error_name(rc, &name);
-  throw std::runtime_error(std::string("fused_linear_cross_entropy: ") + what + " failed: " + name);
-}
+inline void lce_check(CUresult rc, const char* what) { driver_check(rc, "fused_linear_cross_entropy", what); }
 
 inline LceSide& lce_side(int device) {
   thread_local std::map<int, LceSide> sides;
