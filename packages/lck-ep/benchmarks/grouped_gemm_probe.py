@@ -159,7 +159,7 @@ def _tiles(lay: Any, x_e: Any, w1: Any, w2: Any, t: int, k: int) -> list[dict[st
     want = None
     for cfg in [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4),
                 (64, 128, 64, 4, 4), (128, 128, 32, 8, 4)]:  # fmt: skip
-        tiles = grouped.Tiles(cfg, (128, 256, 64, 8, 4))
+        tiles = grouped.Tiles(grouped.GemmTile(*cfg), grouped.GemmTile(128, 256, 64, 8, 4))
         for keep_h in (True, False):
             rec: dict[str, Any] = {
                 "gemm": "gemm_swiglu",
@@ -216,7 +216,7 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
     out: list[dict[str, Any]] = []
     w_e = torch.rand(x_e.shape[0], device=x_e.device)
     rows = int(lay.ends[-1])
-    base = grouped.Tiles((128, 128, 64, 8, 4), (128, 256, 64, 8, 4))
+    base = grouped.Tiles(grouped.GemmTile(128, 128, 64, 8, 4), grouped.GemmTile(128, 256, 64, 8, 4))
     want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()
     want2 = grouped.mm_tiled(act, w2, lay.ends, base)[:rows].float()
     runs: dict[tuple[str, str], Any] = {}
@@ -225,13 +225,13 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
             x_e, w_e, w1, lay.ends, cfg
         )
     for cfg in [(128, 128, 64, 8, 4), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3)]:
-        tl_ = grouped.Tiles(cfg, base.gemm2)
+        tl_ = grouped.Tiles(grouped.GemmTile(*cfg), base.gemm2)
         runs[("two_acc", "{}x{}x{}_w{}_s{}".format(*cfg))] = lambda t_=tl_: grouped.gemm_swiglu(
             x_e, w_e, w1, lay.ends, t_, False
         )[1]
     for cfg in [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (128, 256, 128, 8, 3),
                 (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 128, 4, 4), (64, 256, 128, 4, 3)]:  # fmt: skip
-        tl_ = grouped.Tiles(base.gemm1, cfg)
+        tl_ = grouped.Tiles(base.gemm1, grouped.GemmTile(*cfg))
         runs[("gemm2", "{}x{}x{}_w{}_s{}".format(*cfg))] = lambda t_=tl_: grouped.mm_tiled(
             act, w2, lay.ends, t_
         )

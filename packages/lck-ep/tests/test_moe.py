@@ -152,7 +152,7 @@ def test_triton_forward_gemms_equal_the_separate_passes(
     y_ref = grouped.mm(act_ref, w2, lay.ends)
     tiles = grouped.forward_tiles(x, w1, w2)
     assert tiles is not None
-    tiles = grouped.Tiles(*(grouped.GemmTile(*t)._replace(programs_per_sm=int(persistent)) for t in tiles))
+    tiles = grouped.Tiles(*(t._replace(programs_per_sm=int(persistent)) for t in tiles))
     if persistent:
         # 4 programs (the CPU's stand-in SM count) for 6 experts with rows times 3 column tiles, at least
         assert grouped._grid(tiles.gemm2, x_e.shape[0], experts, h, x.device) == (4,)

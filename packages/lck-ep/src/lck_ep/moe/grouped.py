@@ -64,8 +64,8 @@ class GemmTile(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """Launches of the Triton forward's two GEMMs (:class:`GemmTile` or its fields as a tuple); the first
-    GEMM's ``block_n`` columns are taken from the gate and from the up half each."""
+    """Launches of the Triton forward's two GEMMs; the first GEMM's ``block_n`` columns are taken from the
+    gate and from the up half each."""
 
     gemm1: GemmTile
     gemm2: GemmTile
@@ -159,7 +159,7 @@ def gemm_swiglu(
     h = torch.empty(m, 2 * ffn, dtype=a.dtype, device=a.device) if keep_h else None
     if m == 0:
         return h, act
-    t = GemmTile(*tiles.gemm1)
+    t = tiles.gemm1
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     launch.run(_kernels()._swiglu_gemm_kernel, _grid(t, m, e, ffn, a.device),
         _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
@@ -177,7 +177,7 @@ def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles)
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    t = GemmTile(*tiles.gemm2)
+    t = tiles.gemm2
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     launch.run(_kernels()._grouped_gemm_kernel, _grid(t, m, e, n, a.device),
         _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
