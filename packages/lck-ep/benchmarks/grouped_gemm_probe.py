@@ -377,6 +377,37 @@ def _pingpong(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) ->
     return out
 
 
+def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
+    """Whether the rows a partial tile computes for nothing cost less when they are zeros: the same tiles on
+    the unpadded layout (a segment's last tile reads the next expert's rows) and on the layout padded with
+    zero rows to 128 (same tile count, same products for every row in use). Loops of 50 calls, as the bench."""
+    from lck_ep.moe import grouped, launch
+    from lck_ep.moe.permute import build_local_layout
+    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
+
+    e, k = w1.shape[0], wt.shape[1]
+    tiles = grouped.forward_tiles(x, w1, w2)
+    out: list[dict[str, Any]] = []
+    for align in (1, 128, 1, 128):
+        lay = build_local_layout(idx, e, align)
+        x_e, w_e = launch.gather_rows(x, lay.entry, k, wt.reshape(-1).float())
+        act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)[1]
+        runs = {
+            "gemm1": lambda x_e=x_e, w_e=w_e, lay=lay: grouped.gemm_swiglu(
+                x_e, w_e, w1, lay.ends, tiles, False
+            ),
+            "gemm2": lambda act=act, lay=lay: grouped.mm_tiled(act, w2, lay.ends, tiles),
+        }
+        for kind, fn in runs.items():
+            rec: dict[str, Any] = {"gemm": kind, "provider": f"alignment {align}", "rows": int(lay.ends[-1])}
+            rec.update(summarize(time_cuda(fn, warmup=3, iters=20)))
+            rec["host_ms"] = host_ms(fn, iters=10, warmup=2)
+            rec["loop_ms"] = time_loop(fn, iters=50, warmup=5)
+            out.append(rec)
+            print(rec, flush=True)
+    return out
+
+
 def _measure(fn: Any) -> dict[str, Any]:
     from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
@@ -393,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--part", choices=["all", "tiles", "tiles2", "persist", "pingpong"], default="all")
+    p.add_argument(
+        "--part", choices=["all", "tiles", "tiles2", "persist", "pingpong", "zeros"], default="all"
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -413,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         records += _tiles(lay, x_e, w1, w2, t, k)
     if args.part == "tiles2":
         records += _tiles2(lay, x_e, act, w1, w2)
+    if args.part == "zeros":
+        xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
+        records += _zeros(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2)
     if args.part in ("persist", "pingpong"):
         layer = MoEExperts(e, h, f, dtype=torch.bfloat16, device=dev)
         with torch.no_grad():  # the data `lck bench moe` times (normal weights, inputs of std 0.5)

@@ -114,6 +114,19 @@ class Compare:
             self.errors.append(f"rank {self.rank} {self.where}: {name}: {got!r} vs {want!r}")
 
 
+def in_use(recv_x: Any, handle: Any) -> Any:
+    """The rows of ``recv_x`` (a tensor or the fp8 pair) that carry tokens: all of them in synced mode; in
+    sync-free mode the received rows kept (compact) or those before ``expert_offsets[L]`` (expanded), the
+    capacity padding after them being unspecified (the native backend does not write it)."""
+    if not handle.sync_free:
+        return recv_x
+    if handle.expand:
+        n = int(handle.expert_offsets[-1])
+    else:
+        n = min(int(handle.num_recv_tokens), handle.num_worst_tokens)
+    return tuple(t[:n] for t in recv_x) if isinstance(recv_x, tuple) else recv_x[:n]
+
+
 def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank: int, cmp: Compare) -> None:
     dev = nat.device
     x, idx, w, b0, b1, x2 = data
@@ -121,7 +134,8 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     # plain dispatch, combine with biases, and a cached-handle replay
     dn = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev))
     dr = ref.dispatch(x, idx, w)
-    for name in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
+    cmp("recv_x", in_use(dn.recv_x, dn.handle), in_use(dr.recv_x, dr.handle))
+    for name in ("recv_topk_idx", "recv_topk_weights"):
         cmp(name, getattr(dn, name), getattr(dr, name))
     cmp("num_recv_tokens_per_expert", dn.num_recv_tokens_per_expert, dr.num_recv_tokens_per_expert)
     cmp(
@@ -144,11 +158,11 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     cmp("combine", cn, cr)
     rn = nat.dispatch(x2.to(dev), handle=dn.handle)
     rr = ref.dispatch(x2, handle=dr.handle)
-    cmp("replay recv_x", rn.recv_x, rr.recv_x)
+    cmp("replay recv_x", in_use(rn.recv_x, dn.handle), in_use(rr.recv_x, dr.handle))
     # expanded, aligned layout and the weighted combine
     en = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev), expand=True, expert_alignment=case.alignment)
     er = ref.dispatch(x, idx, w, expand=True, expert_alignment=case.alignment)
-    cmp("expanded recv_x", en.recv_x, er.recv_x)
+    cmp("expanded recv_x", in_use(en.recv_x, en.handle), in_use(er.recv_x, er.handle))
     for name in ("expert_offsets", "expanded_src_row", "expanded_slot", "recv_expanded_index"):
         cmp(f"handle.{name}", getattr(en.handle, name), getattr(er.handle, name))
     ye = expert(en.recv_x, en.handle.expert_offsets, rank)
@@ -160,7 +174,7 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     # an expanded handle replayed: the rows go straight to their expanded places
     ren = nat.dispatch(x2.to(dev), handle=en.handle)
     rer = ref.dispatch(x2, handle=er.handle)
-    cmp("expanded replay recv_x", ren.recv_x, rer.recv_x)
+    cmp("expanded replay recv_x", in_use(ren.recv_x, en.handle), in_use(rer.recv_x, er.handle))
     # the send slots the kernel computed
     cmp("handle.send_slot", en.handle.send_slot, reference_send_slots(en.handle.is_token_in_rank.cpu()))
     if nat.sync_free:
@@ -170,7 +184,8 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
         kw = dict(expand=True, expert_alignment=case.alignment, num_worst_tokens=nwt)
         dn2 = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kw)
         dr2 = ref.dispatch(x, idx, w, **kw)
-        for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
+        cmp("dropped: recv_x", in_use(dn2.recv_x, dn2.handle), in_use(dr2.recv_x, dr2.handle))
+        for name in ("recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
             cmp(f"dropped: {name}", getattr(dn2, name), getattr(dr2, name))
         for name in ("expert_offsets", "expanded_src_row", "expanded_slot", "recv_expanded_index"):
             cmp(f"dropped: handle.{name}", getattr(dn2.handle, name), getattr(dr2.handle, name))
@@ -355,16 +370,19 @@ def fp8(rank: int, world: int, seed: int) -> list[str]:
             ref = Buffer(*args, sync_free=sync_free, device="cpu", backend="reference")
             dn = nat.dispatch((x8.to(dev), s.to(dev)), idx.to(dev))
             dr = ref.dispatch((x8, s), idx)
-            cmp("recv fp8", dn.recv_x[0].view(torch.uint8), dr.recv_x[0].view(torch.uint8))
-            cmp("recv scales", dn.recv_x[1], dr.recv_x[1])
+            got, want = in_use(dn.recv_x, dn.handle), in_use(dr.recv_x, dr.handle)
+            cmp("recv fp8", got[0].view(torch.uint8), want[0].view(torch.uint8))
+            cmp("recv scales", got[1], want[1])
             cmp("recv_topk_idx", dn.recv_topk_idx, dr.recv_topk_idx)
             rn = nat.dispatch((x8.to(dev), s.to(dev)), handle=dn.handle).recv_x
             rr = ref.dispatch((x8, s), handle=dr.handle).recv_x
+            rn, rr = in_use(rn, dn.handle), in_use(rr, dr.handle)
             cmp("replay fp8", rn[0].view(torch.uint8), rr[0].view(torch.uint8))
             en = nat.dispatch((x8.to(dev), s.to(dev)), idx.to(dev), expand=True, expert_alignment=128)
             er = ref.dispatch((x8, s), idx, expand=True, expert_alignment=128)
-            cmp("expanded fp8", en.recv_x[0].view(torch.uint8), er.recv_x[0].view(torch.uint8))
-            cmp("expanded scales", en.recv_x[1], er.recv_x[1])
+            got, want = in_use(en.recv_x, en.handle), in_use(er.recv_x, er.handle)
+            cmp("expanded fp8", got[0].view(torch.uint8), want[0].view(torch.uint8))
+            cmp("expanded scales", got[1], want[1])
             nat.check_errors()
             errors += cmp.errors
         L.finalize()

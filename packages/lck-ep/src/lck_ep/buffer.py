@@ -22,7 +22,10 @@ Modes. *Synced* (default): outputs have the exact received size and the counts a
 host synchronisation per fresh dispatch, in the count exchange, which also carries the cross-rank
 argument check. *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
 outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
-first and padding rows after (zero ``recv_x`` rows, ``-1`` indices, ``0`` weights); counts stay on the
+first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
+``recv_x`` are unspecified: the native backend does not write them, as DeepEP's ``num_worst_tokens``
+mode does not, since zeroing a capacity-sized output moves more bytes than the tokens do; the reference
+backend writes zeros there); counts stay on the
 device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. Eagerly
 this mode skips the per-call cross-rank check (it would need a host round trip): static parameters were
 agreed when the Buffer was built, and local checks still raise before anything is launched. Under a

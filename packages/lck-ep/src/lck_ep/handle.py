@@ -38,7 +38,8 @@ is padded with zero rows up to ``expert_offsets[j + 1]``, a multiple of ``expert
     row, -1 on padding), ``expanded_slot [M]`` int64 (its slot k, -1 on padding),
     ``recv_expanded_index [N, K]`` int64 (expanded row of each (row, slot), -1 where the slot is not
     local). ``M`` = ``expert_offsets[L]`` in synced mode, ``num_worst_tokens * K + L * (alignment - 1)``
-    in sync-free mode (rows past ``expert_offsets[L]`` are padding).
+    in sync-free mode (rows past ``expert_offsets[L]`` are capacity padding: ``-1`` in the maps, their
+    ``recv_x`` rows unspecified, see :mod:`lck_ep.buffer`).
 
 Native backend (``backend == "nvshmem"``): ``send_slot`` and ``recv_slot_pos`` are filled in both modes
 (``send_token_idx`` is None), and ``recv_counts_device [W]`` / ``recv_starts [W + 1]`` (int64, device)

@@ -376,10 +376,13 @@ class NativeEp:
         src_row: torch.Tensor | None,
         out: torch.Tensor,
         num_sms: int,
+        rows_end: torch.Tensor | None = None,
     ) -> None:
-        """``out[m]`` = received row ``src_row[m]`` (zero where -1), or without ``src_row`` received row
-        ``m`` (zero past the rows received), straight from the workspace (or ``x`` for this member's own
-        rows); then this member has finished reading the operation (the dispatch's publication).
+        """``out[m]`` = received row ``src_row[m]`` (zero where -1) for ``m`` below ``rows_end[0]`` (the
+        expanded rows in use, ``expert_offsets[L]``; all rows without it), or without ``src_row`` received
+        row ``m`` for ``m`` below the rows received, straight from the workspace (or ``x`` for this member's
+        own rows); later rows (a sync-free output's capacity padding) are not written. Then this member has
+        finished reading the operation (the dispatch's publication).
 
         It waits for nothing, so it may take every SM without stalling a peer (the channel limit
         ``num_sms`` is for the kernels that spin on other members), like a torch copy of the same rows."""
@@ -398,6 +401,7 @@ class NativeEp:
                 I64(x_bytes),
                 recv_starts,
                 Ptr(0) if src_row is None else src_row,
+                Ptr(0) if rows_end is None else rows_end,
                 I64(out.shape[0]),
                 I32(self.size),
                 I32(self.me),

@@ -10,7 +10,7 @@
 // row) into the caller's tensors, pads the rest of a capacity-sized output, and counts entries per local
 // expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
 // dispatch_rows (every member): copies the rows out of the workspace (or from x for this member's own
-// rows) into the output, compact or expert-major, zeroing padding, and then publishes that this member
+// rows) into the output, compact or expert-major, zeroing alignment padding, and then publishes that this member
 // finished reading the operation. It waits for nothing, so it runs on every SM.
 // Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside
 // its local expert (expert, then row, then slot: lck_ep.expanded's order).
@@ -396,9 +396,11 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
 }
 
 // The rows out of the workspace: out[m] = received row n (read from the workspace, or from x for this
-// member's own rows), zero where there is none; n = src_row[m] (-1: none) for the expanded layout, else
-// n = m while m is below the rows received (compact, source-major). Then publish that this member
-// finished reading the operation.
+// member's own rows); n = src_row[m] for the expanded layout (-1: an alignment padding row, zeroed), else
+// n = m (compact, source-major). Rows past the last one in use (the rows received, or *rows_end of the
+// expanded layout) are capacity padding of a sync-free output and are not written: zeroing them moved
+// most of the bytes (a sync-free expanded output holds num_worst_tokens * K rows). Then publish that this
+// member finished reading the operation.
 struct DispatchRowsArgs {
   const uint8_t* x;
   const uint8_t* ws;
@@ -406,6 +408,7 @@ struct DispatchRowsArgs {
   long long region_bytes, row_stride, meta_offset, x_bytes;
   const long long* recv_starts;  // [W + 1] of dispatch_recv
   const long long* src_row;      // [M], or nullptr for the compact layout
+  const long long* rows_end;     // expanded: [1] rows in use (expert_offsets[L]); nullptr: all M
   long long out_rows;            // M
   int num_ranks, me;
   uint8_t* out;                  // [M, x_bytes]
@@ -425,8 +428,10 @@ __device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     const long long total = starts[a.num_ranks];
-    for (long long m = warp; m < a.out_rows; m += warps) {
-      const long long n = a.src_row != nullptr ? a.src_row[m] : (m < total ? m : -1);
+    const long long used = a.src_row == nullptr ? min(total, a.out_rows)
+                           : a.rows_end != nullptr ? min(*a.rows_end, a.out_rows) : a.out_rows;
+    for (long long m = warp; m < used; m += warps) {
+      const long long n = a.src_row != nullptr ? a.src_row[m] : m;
       uint8_t* dst = a.out + m * a.x_bytes;
       if (n < 0) {
         warp_zero(dst, a.x_bytes, lane);
