@@ -114,7 +114,9 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
 
         def copy_rows(self, x, starts, src_row, recv_x, num_sms, rows_end=None):
             calls["rows"] = num_sms
-            calls["rows_end"] = rows_end  # where the rows in use end: the maps' offsets[L], read on the device
+            calls["rows_end"] = (
+                rows_end  # where the rows in use end: the maps' offsets[L], read on the device
+            )
             recv_x.fill_(7.0)
 
     buf = SimpleNamespace(device=torch.device("cpu"), num_local_experts=2, num_topk=3, num_sms=5)
