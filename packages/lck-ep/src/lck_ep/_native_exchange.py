@@ -171,7 +171,8 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             assert index is not None
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
-            st.reduce_expanded(plan.x.contiguous(), index, w, partial)
+            used = h.num_recv_tokens if h.sync_free else None  # a 0-d int64 device tensor
+            st.reduce_expanded(plan.x.contiguous(), index, w, partial, rows_used=used)
         partial = partial.contiguous()
         st.send_partials(
             OutgoingPartials(partial, h.recv_counts_device, h.recv_starts), buf.num_sms, buf.timeout_ns

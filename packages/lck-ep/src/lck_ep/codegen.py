@@ -176,8 +176,8 @@ _NATIVE_BODIES = {
     "ep_reduce_expanded": (
         "combine.cuh",
         """const void* x, const long long* index, const float* weights, void* partial, long long num_rows,
-    int num_topk, int hidden, int dtype""",
-        """lck_ep::ReduceExpandedArgs a{x, index, weights, partial, num_rows, num_topk, hidden};
+    const long long* rows_used, int num_topk, int hidden, int dtype""",
+        """lck_ep::ReduceExpandedArgs a{x, index, weights, partial, num_rows, rows_used, num_topk, hidden};
     if (dtype == 0) lck_ep::reduce_expanded<__nv_bfloat16>(a);
     else if (dtype == 1) lck_ep::reduce_expanded<__half>(a);
     else lck_ep::reduce_expanded<float>(a);""",

@@ -413,10 +413,17 @@ class NativeEp:
         self._mirror()
 
     def reduce_expanded(
-        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, partial: torch.Tensor
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor | None,
+        partial: torch.Tensor,
+        rows_used: torch.Tensor | None = None,
     ) -> None:
         """``partial[n]`` = float32 sum over slots k ascending of ``[weights[n, k] *] x[index[n, k]]`` (local
-        slots only), rounded once: :func:`lck_ep.expanded.reduce_expanded`, bit for bit."""
+        slots only), rounded once: :func:`lck_ep.expanded.reduce_expanded`, bit for bit; only for ``n``
+        below ``rows_used[0]`` (a sync-free handle's received count, on the device) when given: the rows
+        after it are capacity padding that the combine does not read."""
         n = partial.shape[0]
         self.kernels["ep_reduce_expanded"].launch(
             max(1, min((n + _THREADS // 32 - 1) // (_THREADS // 32), _REDUCE_BLOCKS)),
@@ -427,6 +434,7 @@ class NativeEp:
                 weights if weights is not None else Ptr(0),
                 partial,
                 I64(n),
+                Ptr(0) if rows_used is None else rows_used,
                 I32(index.shape[1]),
                 I32(partial.shape[1]),
                 I32(_COMBINE_CODES[partial.dtype]),

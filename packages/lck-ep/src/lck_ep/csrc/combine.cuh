@@ -85,6 +85,30 @@ struct CombineRecvArgs {
   unsigned long long timeout_ns;
 };
 
+// kVec consecutive elements of a row: one 16-byte access for 8 two-byte elements (the caller checked the
+// alignment), else element by element. Stores of 8 separate 2-byte elements would take 8 store
+// instructions, each touching 16 sectors for 64 useful bytes.
+template <typename T, int kVec>
+__device__ __forceinline__ void load_group(T (&dst)[kVec], const T* src) {
+  if (src == nullptr) return;
+  if constexpr (kVec == 8 && sizeof(T) == 2) {
+    *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) dst[v] = src[v];
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store_group(T* dst, const T (&src)[kVec]) {
+  if constexpr (kVec == 8 && sizeof(T) == 2) {
+    *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) dst[v] = src[v];
+  }
+}
+
 // One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows), kSpan such
 // groups per lane at once (32 * kVec apart). The rows of up to four members are loaded for every group
 // before any is added, so up to 4 * kSpan loads are in flight per lane, and then each element adds them
@@ -147,13 +171,18 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
     for (int u = 0; u < kSpan; ++u) {
       const int h = h0 + u * 32 * kVec;
       if (h >= a.hidden) break;
+      alignas(16) T bias[2][kVec];
+      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + t * a.hidden + h : nullptr);
+      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + t * a.hidden + h : nullptr);
+      alignas(16) T res[kVec];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
         float r = acc[u][v];
-        if (b0 != nullptr) r = __fadd_rn(r, to_float(b0[t * a.hidden + h + v]));
-        if (b1 != nullptr) r = __fadd_rn(r, to_float(b1[t * a.hidden + h + v]));
-        out[h + v] = from_float<T>(r);
+        if (b0 != nullptr) r = __fadd_rn(r, to_float(bias[0][v]));
+        if (b1 != nullptr) r = __fadd_rn(r, to_float(bias[1][v]));
+        res[v] = from_float<T>(r);
       }
+      store_group<T, kVec>(out + h, res);
     }
   }
 }
@@ -182,7 +211,8 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     // 16-byte lanes need a row length that keeps every row (workspace and output) 16-byte aligned.
     // float32 partials (narrow rows, e.g. routing-weight gradients) take the scalar path.
     const bool vec = sizeof(T) == 2 && (a.hidden % 8) == 0 && (a.row_stride % 16) == 0 &&
-                     ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
+                     ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.partial) |
+                       reinterpret_cast<uintptr_t>(a.bias0) | reinterpret_cast<uintptr_t>(a.bias1)) % 16) == 0;
     const long long self_start = a.recv_starts[a.me];
     for (long long t = warp; t < a.num_tokens; t += warps) {
       if constexpr (sizeof(T) == 2) {
@@ -209,6 +239,7 @@ struct ReduceExpandedArgs {
   const float* weights;    // [N, K] or nullptr
   void* partial;           // [N, H]
   long long num_rows;      // N
+  const long long* rows_used;  // [1] rows received (a sync-free handle's count), or nullptr: all N
   int num_topk, hidden;
 };
 
@@ -263,8 +294,10 @@ __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long lon
     for (int u = 0; u < kSpan; ++u) {
       const int h = h0 + u * 32 * kVec;
       if (h >= a.hidden) break;
+      alignas(16) T res[kVec];
 #pragma unroll
-      for (int v = 0; v < kVec; ++v) out[h + v] = from_float<T>(acc[u][v]);
+      for (int v = 0; v < kVec; ++v) res[v] = from_float<T>(acc[u][v]);
+      store_group<T, kVec>(out + h, res);
     }
   }
 }
@@ -276,7 +309,9 @@ __device__ inline void reduce_expanded(const ReduceExpandedArgs& a) {
   const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
   const bool vec = sizeof(T) == 2 && (a.hidden % 8) == 0 &&
                    ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
-  for (long long n = warp; n < a.num_rows; n += warps) {
+  // A sync-free handle's rows past the received count are capacity padding that combine never reads.
+  const long long rows = a.rows_used != nullptr ? min(*a.rows_used, a.num_rows) : a.num_rows;
+  for (long long n = warp; n < rows; n += warps) {
     if constexpr (sizeof(T) == 2) {
       if (vec) reduce_expanded_row<T, 8, 2>(a, n, lane);
       else reduce_expanded_row<T, 1, 4>(a, n, lane);
