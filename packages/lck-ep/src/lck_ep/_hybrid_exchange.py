@@ -23,8 +23,10 @@ from lck_ep.hybrid import (
     HybridBudgetError,
     HybridPlan,
     build_hybrid_kernels,
+    forwarder,
     plan_hybrid,
     read_hybrid_options,
+    stopped_member,
 )
 from lck_ep.knobs import read_knobs
 from lck_ep.native import NativeEp, NativeTimeoutError, OutgoingPartials, OutgoingRows, meta_offset
@@ -39,6 +41,10 @@ _HYBRID_PHASES = {
     7: "hybrid combine, forwarder waiting for a rank of its host to relay partials",
     8: "hybrid combine, source waiting for a forwarder's partial rows",
 }
+# The native receiver's wait for a source's dispatch rows (ep_native.cuh kPhaseDispatchArrive), and the signal
+# word it waits on (kDispatchArrived: (op << 32) | rows).
+_NATIVE_DISPATCH_ARRIVE = 2
+_NATIVE_DISPATCH_ARRIVED = 0
 _STATES: dict[int, HybridEp] = {}
 
 
@@ -63,7 +69,11 @@ class HybridEp(NativeEp):
         self.pack = torch.empty(
             max(1, (self.num_hosts - 1) * self.area_bytes), dtype=torch.uint8, device=device
         )
-        self.fwd_rows = torch.zeros(max(1, (self.num_hosts - 1) * self.g), dtype=torch.int32, device=device)
+        # Rows forwarded to each rank of this host per other host, then the kernel's per-block completion
+        # counts (one per other host, one for this rank's own rows): DispatchArgs.fwd_rows.
+        self.fwd_rows = torch.zeros(
+            (self.num_hosts - 1) * self.g + self.num_hosts, dtype=torch.int32, device=device
+        )
         self.tickets = torch.zeros(4, dtype=torch.int32, device=device)
         self.hybrid_kernels = build_hybrid_kernels(device.index, self.knobs)
         self._check_resident(base, device)
@@ -118,10 +128,12 @@ class HybridEp(NativeEp):
         if self._status_word[0] == 0:
             return
         code, phase, who = (int(v) for v in self.status_host[:3].tolist())
+        seen, want, waited = (int(v) for v in self.status_host[3:].tolist())
+        if code == 1 and phase == _NATIVE_DISPATCH_ARRIVE:
+            self._raise_arrival_timeout(who, want, waited)
         if phase not in _HYBRID_PHASES and code != 3:
             super().raise_if_failed()
             return
-        seen, want, waited = (int(v) for v in self.status_host[3:].tolist())
         ranks = self.ctx.ranks
         if code == 1:
             detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
@@ -133,6 +145,30 @@ class HybridEp(NativeEp):
             f"lck_ep hybrid backend on group rank {self.me}: {_HYBRID_PHASES.get(phase, f'phase {phase}')}: "
             f"{detail}. A member stopped calling dispatch/combine or called a different sequence; this "
             "context's native state is unusable now (finalize and configure again)"
+        )
+
+    def _raise_arrival_timeout(self, who: int, op: int, waited: int) -> None:
+        """The native receiver timed out waiting for dispatch rows. It waits for every source at once and
+        records one of those missing; over hosts a source's rows may come through a forwarder of this host,
+        so name the member the missing counts point to (:func:`lck_ep.hybrid.stopped_member`), read from
+        this rank's arrival words (a synchronisation: only on this failure path, never under capture)."""
+        try:
+            signals = self.signals
+            if not (signals.is_cuda and torch.cuda.is_current_stream_capturing()):
+                words = signals.view(self.size, -1)[:, _NATIVE_DISPATCH_ARRIVED].cpu().tolist()
+                who = stopped_member([int(v) >> 32 == op for v in words], self.me, self.g, who)
+        except Exception:  # the recorded source then: still a member the wait gave up on
+            pass
+        ranks = self.ctx.ranks
+        detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
+        host = self.me // self.g
+        if who // self.g != host:
+            via = forwarder(who, host, self.g)
+            detail += f", whose rows reach this host through group rank {via}, its forwarder here"
+        raise NativeTimeoutError(
+            f"lck_ep hybrid backend on group rank {self.me}: dispatch, waiting for a source's rows: {detail}. "
+            "A member stopped calling dispatch/combine or called a different sequence; this context's native "
+            "state is unusable now (finalize and configure again)"
         )
 
     # -- the two sending launches ---------------------------------------------------------------------
@@ -151,6 +187,8 @@ class HybridEp(NativeEp):
         as_int = mask.to(torch.int32)
         excl = (torch.cumsum(as_int, 0, dtype=torch.int32) - as_int).contiguous()
         x_bytes = x.shape[1] * x.element_size()
+        # num_topk > 0 tells the kernels a dispatch's routed rows from a replay's (0), alike on every rank: a
+        # rank with no tokens passes an empty topk_idx, whose address is 0 like a replay's missing one.
         k = topk_idx.shape[1] if topk_idx is not None else 0
         opt = self.options
         self.hybrid_kernels["dispatch"].launch(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,7 @@ __all__ = [
     "part_begin",
     "plan_hybrid",
     "read_hybrid_options",
+    "stopped_member",
     "sub_begin",
     "sub_count",
 ]
@@ -135,6 +136,28 @@ def host_blocks(num_ranks: int, num_hosts: int, gpus_per_host: int) -> list[tupl
 def forwarder(src: int, host: int, gpus_per_host: int) -> int:
     """The rank of ``host`` that receives ``src``'s scale-out rows and forwards them: same local index."""
     return host * gpus_per_host + src % gpus_per_host
+
+
+def stopped_member(arrived: Sequence[bool], me: int, gpus_per_host: int, waited_for: int) -> int:
+    """The member to name when this rank's wait for dispatch rows (the native receiver's) timed out.
+
+    ``arrived[s]``: whether source ``s``'s row count for this operation reached this rank; ``waited_for``:
+    the source the timed-out wait recorded (the receiver waits for every source at once, so with several
+    missing it is any of them). A source on this host publishes its own count; one on another host reaches
+    this rank only through its forwarder here, so its count is missing too when that forwarder stopped. A
+    missing source whose forwarder's own count did arrive is the one that stopped; one whose forwarder's is
+    missing as well is explained by the forwarder. ``waited_for`` when it is among those suspects, else
+    the lowest.
+    """
+    host = me // gpus_per_host
+    suspects = [
+        s
+        for s, ok in enumerate(arrived)
+        if not ok and (s // gpus_per_host == host or arrived[forwarder(s, host, gpus_per_host)])
+    ]
+    if not suspects or waited_for in suspects:
+        return waited_for
+    return suspects[0]
 
 
 # ------------------------------------------------------------- geometry (mirror of hybrid_common.cuh)

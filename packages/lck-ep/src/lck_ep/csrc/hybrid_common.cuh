@@ -239,7 +239,9 @@ struct DispatchArgs {
   int g, num_hosts, channels, parts, q_cap, hb, cap;
   int debug_reorder;
   unsigned long long debug_delay_ns;
-  int* fwd_rows;                 // [(NH - 1) * g] zero between launches
+  int* fwd_rows;                 // [(NH - 1) * g + NH] zero between launches: rows forwarded to each rank of this
+                                 // host from each other host's source, then per other host the blocks that
+                                 // forwarded its channel, then the blocks that stored this source's own rows
   unsigned int* tickets;         // [2]
   long long* status;
   unsigned long long timeout_ns;
@@ -284,7 +286,12 @@ __device__ inline void dispatch(const DispatchArgs& a) {
   const bool ok0 = wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseDispatchFree, a.timeout_ns);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int K = a.num_topk, g = a.g, L = a.num_local_experts, W = a.num_ranks;
+  // A dispatch (routing words in the rows) or a replay (num_topk 0: a bit per rank of the host instead).
+  // Never from the topk_idx pointer: a rank with no tokens passes an empty topk_idx, whose address is null,
+  // and as a forwarder it must still read other sources' staged rows as routed ones.
+  const bool routed = K > 0;
   const int my_host = a.me / g, my_local = a.me % g;
+  int* const blocks_done = a.fwd_rows + (a.num_hosts - 1) * g;  // [NH - 1] per other host, then own rows
   const int c = blockIdx.x;
   const long long row = a.row_stride;
   const int min_sub = min_sub_tokens();
@@ -310,7 +317,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
           uint8_t* meta = r + a.meta_offset;
           if (d != a.me) warp_copy(r, src, a.x_bytes, lane);
           if (lane == 0) *reinterpret_cast<int*>(meta) = static_cast<int>(t);
-          if (a.topk_idx != nullptr) {
+          if (routed) {
             float* w = reinterpret_cast<float*>(meta + 4);
             short* li = reinterpret_cast<short*>(meta + 4 + 4 * K);
             const long long lo = static_cast<long long>(d) * L;
@@ -352,7 +359,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
               warp_copy(dst, a.x + static_cast<long long>(t) * a.x_bytes, a.x_bytes, lane);
               uint8_t* meta = dst + a.meta_offset;
               if (lane == 0) *reinterpret_cast<int*>(meta) = t;
-              if (a.topk_idx != nullptr) {
+              if (routed) {
                 float* w = reinterpret_cast<float*>(meta + 4);
                 short* eh = reinterpret_cast<short*>(meta + 4 + 4 * K);
                 for (int kk = lane; kk < K; kk += 32) {
@@ -457,6 +464,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
     }
   }
   __syncthreads();
+  if (threadIdx.x == 0 && ok0) atomicAdd(blocks_done + (a.num_hosts - 1), 1);  // this block's own rows are stored
 
   // 3. Forward: as the forwarder of every other host's source with this rank's local index, channel c.
   if (ok0 && !failed(a.status)) {
@@ -553,7 +561,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
             const short* eh = reinterpret_cast<const short*>(meta + 4 + 4 * K);
             bool mine = false;
             if (lane < g) {
-              if (a.topk_idx != nullptr) {
+              if (routed) {
                 for (int kk = 0; kk < K; ++kk) {
                   const int e = reinterpret_cast<const volatile short*>(eh)[kk];
                   mine = mine || (e >= lane * L && e < (lane + 1) * L);
@@ -572,7 +580,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
               const int d = my_host * g + l;
               uint8_t* drow = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + src * a.region_bytes + static_cast<long long>(slot) * row;
               copy_plain(drow, srow, a.x_bytes, lane);
-              if (a.topk_idx != nullptr) write_meta_for(drow + a.meta_offset, t, w_in, eh, K, l, L, lane);
+              if (routed) write_meta_for(drow + a.meta_offset, t, w_in, eh, K, l, L, lane);
               else if (lane == 0) *reinterpret_cast<int*>(drow + a.meta_offset) = t;
             }
           }
@@ -580,28 +588,37 @@ __device__ inline void dispatch(const DispatchArgs& a) {
         }
       }
       __syncthreads();
+      if (threadIdx.x == 0 && !failed(a.status)) atomicAdd(blocks_done + area, 1);  // channel c forwarded
     }
   }
 
   // 4. Publish: this host's ranks get this source's row counts, and every rank of this host gets the row
-  // counts forwarded to it from each other host's source.
+  // counts forwarded to it from each other host's source. Each publication stands alone, like the native
+  // senders' (one per source): this source's own rows once every block stored them, another host's
+  // source's once every block forwarded its channel, even when another wait of this kernel failed. A
+  // forwarding wait that timed out on a stopped source must not hold back this rank's own rows, or the
+  // ranks of this host would time out on this (live) rank and name it instead of the stopped one.
   finish_grid(a.tickets, [&] {
-    if (failed(a.status)) return;
-    for (int l = threadIdx.x; l < g; l += blockDim.x) {
+    const int nfwd = (a.num_hosts - 1) * g;
+    const unsigned blocks = gridDim.x;
+    const bool own = static_cast<unsigned>(*reinterpret_cast<volatile int*>(blocks_done + (a.num_hosts - 1))) == blocks;
+    for (int l = threadIdx.x; own && l < g; l += blockDim.x) {
       const int d = my_host * g + l;
       long long* word = const_cast<long long*>(peer_sig[d]) + a.me * kSignalWords + kDispatchArrived;
       lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word),
                                 (op << 32) | static_cast<unsigned long long>(a.rows_to[d]));
     }
-    for (int i = threadIdx.x; i < (a.num_hosts - 1) * g; i += blockDim.x) {
+    for (int i = threadIdx.x; i < nfwd; i += blockDim.x) {
       const int area = i / g, l = i % g;
+      if (static_cast<unsigned>(*reinterpret_cast<volatile int*>(blocks_done + area)) != blocks) continue;
       const int src = other_host(area, my_host) * g + my_local;
       const int d = my_host * g + l;
       long long* word = const_cast<long long*>(peer_sig[d]) + src * kSignalWords + kDispatchArrived;
       lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word),
-                                (op << 32) | static_cast<unsigned long long>(a.fwd_rows[i]));
-      a.fwd_rows[i] = 0;
+                                (op << 32) | static_cast<unsigned long long>(*reinterpret_cast<volatile int*>(a.fwd_rows + i)));
     }
+    __syncthreads();  // every count read before any is reset
+    for (int i = threadIdx.x; i < nfwd + a.num_hosts; i += blockDim.x) a.fwd_rows[i] = 0;
   });
 }
 
