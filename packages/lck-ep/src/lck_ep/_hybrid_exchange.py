@@ -14,7 +14,6 @@ every rank before each token (``excl [T, W]``, the first send slot a sub-part he
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any
 
 import torch
@@ -105,10 +104,11 @@ class HybridEp(NativeEp):
     def _check_resident(self, plan: HybridPlan, device: torch.device) -> None:
         """Every block of a hybrid kernel must be resident at once: a channel waits for its peers' channel of
         the same operation, whose blocks may in turn wait for this one's. Under CUDA MPS a process gets
-        its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` share of the SMs."""
+        its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` share of the SMs, and the device's multiprocessor count
+        as this process reads it is already that share (an H200 with 8 PEs at 12%: some 16 SMs, not 132; scaling
+        it again had refused 8 channels for "1 SM")."""
         props = torch.cuda.get_device_properties(device)
-        share = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") or 100)
-        sms = max(1, int(props.multi_processor_count * min(share, 100.0) / 100))
+        sms = max(1, props.multi_processor_count)
         regs = max(k.attributes(device.index)["num_regs"] for k in self.hybrid_kernels.values())
         per_sm = max(
             1,

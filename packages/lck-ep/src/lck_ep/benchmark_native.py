@@ -19,7 +19,6 @@ refuses two ranks on one GPU); its rows are for scale, not a peer.
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Any
 
@@ -106,8 +105,8 @@ def _bench_shape(
     combine_expanded = lambda: free.combine(de.recv_x, de.handle, topk_weights=de.recv_topk_weights)
     attempt("combine_expanded", "lck_nvshmem_sync_free", label, combine_expanded, sent)
     # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:
-    share = int(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100") or 100)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count * share // 100
+    # Under MPS the multiprocessor count this process reads is already its share of the GPU.
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if sms > free.num_sms:
         wide = Buffer(group, tokens, hidden, k, e, sync_free=True, device=dev, num_sms=sms)
         dw = wide.dispatch(x, idx, w)
