@@ -383,7 +383,6 @@ def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
     zero rows to 128 (same tile count, same products for every row in use). Loops of 50 calls, as the bench."""
     from lck_ep.moe import grouped, launch
     from lck_ep.moe.permute import build_local_layout
-    from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
     e, k = w1.shape[0], wt.shape[1]
     tiles = grouped.forward_tiles(x, w1, w2)
@@ -400,20 +399,18 @@ def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
         }
         for kind, fn in runs.items():
             rec: dict[str, Any] = {"gemm": kind, "provider": f"alignment {align}", "rows": int(lay.ends[-1])}
-            rec.update(summarize(time_cuda(fn, warmup=3, iters=20)))
-            rec["host_ms"] = host_ms(fn, iters=10, warmup=2)
-            rec["loop_ms"] = time_loop(fn, iters=50, warmup=5)
+            rec.update(_measure(fn, loop_iters=50, loop_warmup=5))  # the bench's loop
             out.append(rec)
             print(rec, flush=True)
     return out
 
 
-def _measure(fn: Any) -> dict[str, Any]:
+def _measure(fn: Any, loop_iters: int = 20, loop_warmup: int = 3) -> dict[str, Any]:
     from lck_runtime.benchmarking import host_ms, summarize, time_cuda, time_loop
 
     out = summarize(time_cuda(fn, warmup=3, iters=20))
     out["host_ms"] = host_ms(fn, iters=10, warmup=2)
-    out["loop_ms"] = time_loop(fn, iters=20, warmup=3)
+    out["loop_ms"] = time_loop(fn, iters=loop_iters, warmup=loop_warmup)
     return out
 
 
