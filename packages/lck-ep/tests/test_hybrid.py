@@ -150,6 +150,17 @@ def test_topology_limits() -> None:
         plan_hybrid(config=_cfg(4, 1), num_ranks=4, num_sms=8, knobs=EpKnobs(), options=HybridOptions())
 
 
+def test_hosts_on_separate_machines_keep_the_reference() -> None:
+    """Virtual hosts (one machine) run the hybrid pair; real ones are refused with the reason, since the
+    kernels reach other hosts through peer mappings only."""
+    from lck_ep.hybrid import hybrid_problem
+
+    cfg = _cfg(4, 2)
+    assert hybrid_problem(num_ranks=4, num_topk=2, config=cfg, one_machine=True) is None
+    why = hybrid_problem(num_ranks=4, num_topk=2, config=cfg, one_machine=False)
+    assert why is not None and "2 hosts are separate machines" in why and "not built yet" in why
+
+
 # ------------------------------------------------------------------------------------- virtual hosts
 
 
@@ -322,44 +333,29 @@ def _selection(rank: int, world: int) -> dict[str, Any]:
 
         ctx = moe_context(None)
     out["hosts"] = [ctx.host_of(r) for r in range(world)]
+    out["one machine"] = ctx.one_machine
     out["auto on cpu"] = Buffer(g, 8, 16, 2, 4 * world).backend
     out["nvshmem on cpu"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem")
     os.environ.update({"EP_HYBRID_CHANNELS": "16", "EP_HYBRID_NUM_PARTS": "2"})
-    # Not asked for, the experimental hybrid kernels are not chosen, so their budget is not checked either.
-    out["budget, not opted in"] = Buffer(g, 8, 16, 2, 4 * world).backend
-    os.environ["EP_HYBRID_EXPERIMENTAL"] = "1"
     out["budget, nvshmem"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem")
     out["budget, auto"] = error_text(Buffer, g, 8, 16, 2, 4 * world)
     out["budget, reference"] = Buffer(g, 8, 16, 2, 4 * world, backend="reference").backend
-    for knob in ("EP_HYBRID_CHANNELS", "EP_HYBRID_NUM_PARTS", "EP_HYBRID_EXPERIMENTAL"):
+    for knob in ("EP_HYBRID_CHANNELS", "EP_HYBRID_NUM_PARTS"):
         os.environ.pop(knob)
     L.finalize()
     return out
 
 
-def test_hybrid_kernels_are_opt_in(monkeypatch: Any) -> None:
-    from types import SimpleNamespace
-
-    from lck_ep.hybrid import hybrid_problem
-
-    cfg = SimpleNamespace(num_hosts=2, gpus_per_host=None)
-    monkeypatch.delenv("EP_HYBRID_EXPERIMENTAL", raising=False)
-    why = hybrid_problem(num_ranks=4, num_topk=2, config=cfg)
-    assert why is not None and "experimental" in why and "EP_HYBRID_EXPERIMENTAL=1" in why
-    monkeypatch.setenv("EP_HYBRID_EXPERIMENTAL", "1")
-    assert hybrid_problem(num_ranks=4, num_topk=2, config=cfg) is None
-
-
 def test_selection_and_budget_errors_agree_on_every_rank() -> None:
     outs = run_workers(_selection, 4, timeout=TIMEOUT, env={"LCK_SETUP_TIMEOUT": "60"})
     assert [o["hosts"] for o in outs] == [[0, 0, 1, 1]] * 4
+    assert all(o["one machine"] is True for o in outs)
     want = {
         "auto on cpu": "reference",
         "nvshmem on cpu": "the native kernels move CUDA tensors, got device=cpu",
         "budget, nvshmem": "EP_HYBRID_CHANNELS=16 x EP_HYBRID_NUM_PARTS=2 counting signals per peer slot",
         "budget, auto": "(over by 3)",
         "budget, reference": "reference",
-        "budget, not opted in": "reference",
     }
     assert_every_rank_says(outs, want)
 
@@ -401,7 +397,7 @@ def _suite(world: int, hosts: int, variant: str) -> None:
 
     need_gpus(world)
     seed = random.randrange(1, 2**30)
-    env = gpu_env(world, {"EP_HYBRID_KERNEL": variant, "EP_HYBRID_EXPERIMENTAL": "1"})
+    env = gpu_env(world, {"EP_HYBRID_KERNEL": variant})
     outs = run_workers(suite, world, hosts, seed, timeout=TIMEOUT, env=env)
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
@@ -421,9 +417,7 @@ def test_hybrid_sub_part_sweep_debug_reorder_and_budget() -> None:
 
     need_gpus(4)
     seed = random.randrange(1, 2**30)
-    outs = run_workers(
-        sweep, 4, 2, seed, timeout=2 * TIMEOUT, env=gpu_env(4, {"EP_HYBRID_EXPERIMENTAL": "1"})
-    )
+    outs = run_workers(sweep, 4, 2, seed, timeout=2 * TIMEOUT, env=gpu_env(4))
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
 
@@ -525,7 +519,7 @@ def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound() -> 
 
     need_gpus(4)
     bound = 2.0
-    outs = run_workers(stop, 4, 2, bound, timeout=TIMEOUT, env=gpu_env(4, {"EP_HYBRID_EXPERIMENTAL": "1"}))
+    outs = run_workers(stop, 4, 2, bound, timeout=TIMEOUT, env=gpu_env(4))
     assert {(o["backend"], o["state"]) for o in outs} == {("nvshmem", "HybridEp")}
     for r, o in enumerate(outs[:-1]):
         err = o.get("error", "")

@@ -147,11 +147,9 @@ def check_args(
         raise ValueError(f"{where}: an NCCL group needs a cuda device, got device={device}")
     ctx = moe_context(group)
     if backend_choice != "reference" and ctx is not None and ctx.native and ctx.num_hosts > 1:
-        from lck_ep.hybrid import hybrid_enabled, plan_hybrid
+        from lck_ep.hybrid import plan_hybrid
 
-        if (
-            ctx.size == num_ranks and hybrid_enabled()
-        ):  # the channel and signal budget, before anything is built
+        if ctx.size == num_ranks and ctx.one_machine:  # the channel and signal budget, before anything runs
             plan_hybrid(config=ctx.config, num_ranks=num_ranks, num_sms=num_sms)
     why_not = _native_problem(ctx, device, num_ranks, hidden, num_topk, max_tokens)
     if backend_choice == "nvshmem" and why_not is not None:
@@ -202,7 +200,9 @@ def _native_problem(
     if ctx.num_hosts > 1:  # the hybrid (scale-out) kernels: lck_ep.hybrid
         from lck_ep.hybrid import hybrid_problem
 
-        why = hybrid_problem(num_ranks=num_ranks, num_topk=num_topk, config=ctx.config)
+        why = hybrid_problem(
+            num_ranks=num_ranks, num_topk=num_topk, config=ctx.config, one_machine=ctx.one_machine
+        )
         if why is not None:
             return why
     from lck_runtime.toolchain import find_nvcc

@@ -137,9 +137,7 @@ def main_hybrid(args: Any) -> int:
     scale_up = run_workers(
         benchmark_native.bench_rank, pes, iters, False, backend="gloo", timeout=3000, env=env
     )
-    # The hybrid kernels are experimental (lck_ep.hybrid.EXPERIMENTAL_ENV): the benchmark asks for them.
-    hybrid_env = {**env, "EP_HYBRID_EXPERIMENTAL": "1"}
-    hybrid = run_workers(bench_rank, pes, hosts, iters, backend="gloo", timeout=3000, env=hybrid_env)
+    hybrid = run_workers(bench_rank, pes, hosts, iters, backend="gloo", timeout=3000, env=env)
     records = benchmark_native.merge(scale_up, pes) + benchmark_native.merge(hybrid, pes)
     slug = gpu_slug()
     stem = f"{slug}-pes{pes}-vh{hosts}-{_dt.date.today().isoformat()}-ep-hybrid"

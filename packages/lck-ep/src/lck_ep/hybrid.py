@@ -356,24 +356,14 @@ def plan_hybrid(
     return HybridPlan(num_hosts, g, channels, parts, q_cap, hb, area, ordered)
 
 
-# The hybrid kernels' first GPU run (one H200, 4 PEs as 2 x 2 virtual hosts, tree 14e4398) received rows that
-# differ from the reference backend's. Until a run proves them, they serve only a process that asks for them
-# (tests, benchmarks); everyone else keeps the reference backend across hosts, as before they existed.
-EXPERIMENTAL_ENV = "EP_HYBRID_EXPERIMENTAL"
-
-
-def hybrid_enabled() -> bool:
-    """Whether this process asked for the experimental hybrid kernels (``EP_HYBRID_EXPERIMENTAL=1``)."""
-    return os.environ.get(EXPERIMENTAL_ENV, "0") == "1"
-
-
-def hybrid_problem(*, num_ranks: int, num_topk: int, config: Any) -> str | None:
-    """Why the hybrid kernels cannot serve this group at all (limits no option changes), or None."""
-    if not hybrid_enabled():
+def hybrid_problem(*, num_ranks: int, num_topk: int, config: Any, one_machine: bool = True) -> str | None:
+    """Why the hybrid kernels cannot serve this group at all (limits no option changes), or None.
+    ``one_machine``: whether the group's members all run on one machine (``MoEContext.one_machine``)."""
+    if not one_machine:
         return (
-            f"the MoE context spans {config.num_hosts} hosts and the scale-out (hybrid) kernels are experimental: "
-            f"they have not yet matched the reference backend on a GPU; set {EXPERIMENTAL_ENV}=1 on every rank "
-            "to run them anyway"
+            f"the MoE context's {config.num_hosts} hosts are separate machines: the hybrid kernels reach other "
+            "hosts through peer mappings, which exist only within one machine (virtual hosts), and their "
+            "cross-machine transport (NVSHMEM remote puts) is not built yet"
         )
     g = config.gpus_per_host if config.gpus_per_host is not None else num_ranks // config.num_hosts
     if g > MAX_GPUS_PER_HOST:

@@ -39,6 +39,7 @@ from lck_runtime.configure_checks import (
     flsce_tag,
     local_request,
     moe_tag,
+    one_host_per_group,
     plan_setup,
     planned_reservations,
     resolve_device,
@@ -285,6 +286,7 @@ def _new_moe_context(
     tag = moe_tag(part)
     return MoEContext(
         gpus_per_host=setup.moe_gpus_per_host,
+        one_machine=one_host_per_group(setup, part),
         workspace=st.pool.allocate(plan[f"{tag}.workspace"], nvs),
         signals=st.pool.allocate(plan[f"{tag}.signals"], nvs),
         **_context_fields(st, req, req.moe, team),

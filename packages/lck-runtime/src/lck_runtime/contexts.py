@@ -191,10 +191,17 @@ class MoEContext(_Context):
     _lookup = "moe_context"
 
     def __init__(
-        self, *, gpus_per_host: int, workspace: Reservation, signals: Reservation, **kw: Any
+        self,
+        *,
+        gpus_per_host: int,
+        workspace: Reservation,
+        signals: Reservation,
+        one_machine: bool = True,
+        **kw: Any,
     ) -> None:
         super().__init__(**kw)
         self._gpus_per_host = gpus_per_host
+        self._one_machine = one_machine
         self._workspace = workspace
         self._signals = signals
         self._stack = RetainedForwardStack(self._config.max_inflight, self._describe())
@@ -213,6 +220,13 @@ class MoEContext(_Context):
     def gpus_per_host(self) -> int:
         self._check()
         return self._gpus_per_host
+
+    @property
+    def one_machine(self) -> bool:
+        """Whether every member runs on one machine, so each can map every other's symmetric memory (the
+        hosts, if several, are virtual); agreed at ``configure``, the same on every rank."""
+        self._check()
+        return self._one_machine
 
     def host_of(self, rank: int) -> int:
         """The (possibly virtual) host index of group rank ``rank``."""
