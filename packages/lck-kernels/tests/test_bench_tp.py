@@ -46,6 +46,23 @@ def test_real_tp_run_gets_a_verdict():
     assert out["vs_liger_cute_fwd_bwd"]["met"] is True  # 27.2 < 29.6
 
 
+def test_loop_verdicts_read_loop_over_gpu_time():
+    fast = _rec("lck_tp2_nvshmem", "fwd_bwd", 20.0)
+    fast.extra.update(loop_ms=21.0, host_ms=0.4, chunk_mib=256)
+    slow = _rec("lck_single", "fwd", 0.2)
+    slow.extra.update(loop_ms=0.3, host_ms=0.28)
+    tiny = _rec("lck_single", "fwd_bwd", 0.05)  # under 0.1 ms of GPU time: no loop target
+    tiny.extra.update(loop_ms=0.2)
+    peer = _rec("torch_single", "fwd", 1.0)  # peers are shown, not judged
+    peer.extra.update(loop_ms=3.0)
+    out = tp._loop_verdicts([fast, slow, tiny, peer])
+    assert set(out) == {"loop_lck_tp2_nvshmem_fwd_bwd_chunk256", "loop_lck_single_fwd"}
+    assert out["loop_lck_tp2_nvshmem_fwd_bwd_chunk256"]["met"] is True
+    assert out["loop_lck_tp2_nvshmem_fwd_bwd_chunk256"]["host_ms"] == 0.4
+    assert out["loop_lck_single_fwd"]["met"] is False
+    assert out["loop_lck_single_fwd"]["value"] == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -44,6 +44,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
     from lck_runtime.benchmarking import (
         Record,
         device_barrier,
+        host_ms,
         peak_memory_mib,
         summarize,
         time_cuda,
@@ -100,13 +101,16 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
             rec = Record(
                 "flsce_tp", provider, mode, shape, "bfloat16", extra={"tp": world, "share_of": share, **extra}
             )
-            err, loop = None, None
+            err, loop, host = None, None, None
             try:
                 times = time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"], barrier=barrier, align=align)
                 peak = peak_memory_mib(fn)
                 barrier()
                 # Back to back, as in a training loop (each call's collectives keep the ranks in step).
                 loop = time_loop(fn, iters=cfg["iters"], warmup=1)
+                barrier()
+                # The cost of enqueuing one call behind a GPU spin (every rank runs the same calls).
+                host = host_ms(fn, iters=min(cfg["iters"], 10), warmup=1)
             except Exception as exc:  # a provider that fails is a record, not a crash (all ranks fail alike)
                 err, times, peak = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", [], None
             errs: list[Any] = [None] * world
@@ -117,6 +121,10 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
                 continue
             rec.__dict__.update(summarize(gathered(times)))
             rec.extra["loop_ms"] = max(gathered([loop]))
+            hosts: list[Any] = [None] * world
+            dist.all_gather_object(hosts, host, group=cpu)
+            # The slowest rank's enqueue cost; None where a rank's calls waited for its GPU (host_ms).
+            rec.extra["host_ms"] = None if None in hosts else max(hosts)
             peaks: list[Any] = [None] * world
             dist.all_gather_object(peaks, peak, group=cpu)
             rec.peak_mib = max(peaks)
@@ -205,7 +213,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]] |
 def _single_gpu(cfg, x, w_full, target, g_nll, g_ent, shape, flops, check, nll_tp) -> list[Any]:
     import torch
 
-    from lck_runtime.benchmarking import Record, peak_memory_mib, summarize, time_cuda
+    from lck_runtime.benchmarking import Record, host_ms, peak_memory_mib, summarize, time_cuda, time_loop
 
     tau, entropy, providers = cfg["tau"], cfg["entropy"], cfg["providers"]
     w = w_full.clone().requires_grad_(True)
@@ -260,6 +268,8 @@ def _single_gpu(cfg, x, w_full, target, g_nll, g_ent, shape, flops, check, nll_t
             try:
                 rec.__dict__.update(summarize(time_cuda(fn, warmup=cfg["warmup"], iters=cfg["iters"])))
                 rec.peak_mib = peak_memory_mib(fn)
+                rec.extra["loop_ms"] = time_loop(fn, iters=cfg["iters"], warmup=1)
+                rec.extra["host_ms"] = host_ms(fn, iters=min(cfg["iters"], 10), warmup=1)
                 rec.extra["tflop_per_s_per_gpu"] = flops[mode] / (rec.median_ms * 1e-3) / 1e12
             except Exception as exc:
                 rec.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
