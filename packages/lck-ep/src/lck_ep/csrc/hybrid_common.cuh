@@ -113,26 +113,42 @@ __device__ __forceinline__ unsigned int pack_w2(int cnt, int j, int k, bool more
 }
 
 // Plain (coherent) 16-byte copies: the sources were written during this kernel (by other warps or by other
-// PEs), so the read-only cache path (__ldg) must not be used for them.
-__device__ __forceinline__ void copy_plain(uint8_t* dst, const uint8_t* src, long long n, int lane) {
+// PEs), so the read-only cache path (__ldg) must not be used for them. `idx` of `stride` threads (a warp: lane
+// of 32; a block: threadIdx.x of blockDim.x). Like warp_copy, U independent loads per thread are issued before
+// their stores: a copy is bound by the bytes in flight, and one load at a time (512 bytes per warp per memory
+// round trip) made every put and forward a serial chain of round trips.
+template <int U>
+__device__ __forceinline__ long long copy_plain_batches(int4* d, const int4* s, long long i, long long m, int stride) {
+  const long long st = stride;
+  for (; i + st * (U - 1) < m; i += st * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                   : "l"(s + i + st * u));
+#pragma unroll
+    for (int u = 0; u < U; ++u) d[i + st * u] = v[u];
+  }
+  return i;
+}
+template <int U = 8>
+__device__ __forceinline__ void copy_plain(uint8_t* dst, const uint8_t* src, long long n, int idx, int stride = 32) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n)) & 15u) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
-    for (long long i = lane; i < (n >> 4); i += 32) {
-      int4 v;
-      asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "l"(s + i));
-      d[i] = v;
-    }
+    const long long m = n >> 4;
+    long long i = copy_plain_batches<U>(d, s, idx, m, stride);
+    if (U > 4) i = copy_plain_batches<4>(d, s, i, m, stride);
+    copy_plain_batches<1>(d, s, i, m, stride);
   } else {
     const volatile unsigned short* s = reinterpret_cast<const volatile unsigned short*>(src);
     unsigned short* d = reinterpret_cast<unsigned short*>(dst);
-    for (long long i = lane; i < (n >> 1); i += 32) d[i] = s[i];
+    for (long long i = idx; i < (n >> 1); i += stride) d[i] = s[i];
   }
 }
 
-// The put: data into the peer's memory, fence, then the signal (a release at system scope).
+// The put: data into the peer's memory, fence, then the signal (a release at system scope). One warp.
 __device__ __forceinline__ void put_signal_add(uint8_t* dst, const uint8_t* src, long long bytes,
                                                unsigned long long* sig, unsigned long long add, int lane) {
   copy_plain(dst, src, bytes, lane);
@@ -146,6 +162,18 @@ __device__ __forceinline__ void put_signal_set(uint8_t* dst, const uint8_t* src,
   __threadfence_system();
   __syncwarp();
   if (lane == 0) lck_sync::max_release_sys(sig, value);
+}
+// The same put by a whole block (every thread copies and fences, then one signals): block-uniform call.
+template <bool kSet>
+__device__ __forceinline__ void block_put_signal(uint8_t* dst, const uint8_t* src, long long bytes,
+                                                 unsigned long long* sig, unsigned long long v) {
+  copy_plain(dst, src, bytes, threadIdx.x, blockDim.x);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (kSet) lck_sync::max_release_sys(sig, v);
+    else asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(sig), "l"(v) : "memory");
+  }
 }
 
 __device__ __forceinline__ void spin_ns(unsigned long long ns) {
@@ -467,7 +495,7 @@ __device__ inline void dispatch(const DispatchArgs& a) {
   if (threadIdx.x == 0 && ok0) atomicAdd(blocks_done + (a.num_hosts - 1), 1);  // this block's own rows are stored
 
   // 3. Forward: as the forwarder of every other host's source with this rank's local index, channel c.
-  if (ok0 && !failed(a.status)) {
+  if (__syncthreads_and(ok0 && !failed(a.status))) {  // block-uniform: the loop below has barriers
     for (int area = 0; area < a.num_hosts - 1; ++area) {
       const int G = other_host(area, my_host);
       const int src = G * g + my_local;
@@ -533,15 +561,20 @@ __device__ inline void dispatch(const DispatchArgs& a) {
         if (s_ok == 2) break;
         if (s_ok == 0) break;
         const int m = s_m;
-        // Validate every header of the part, then forward its rows: one warp per sub-part, rows in order.
-        for (int k = warp; k < s_nsub; k += nwarps) {
+        // Validate every header of the part, then forward its rows: S = nwarps / sub-parts warps per sub-part
+        // (one warp per sub-part left most of the block idle). Each warp of a sub-part ranks all of its rows,
+        // 32 at a time (lane i reads row r0 + i's routing, ballots give each rank's running count: the send
+        // slots), and copies the rows r with r % S == its share.
+        const int S = s_nsub > 0 && s_nsub < nwarps ? nwarps / s_nsub : 1;
+        for (int item = warp; item < s_nsub * S; item += nwarps) {
+          const int k = item / S, share = item % S;
           const int u = pb + sub_begin(pe - pb, nsub_t, k), v = pb + sub_begin(pe - pb, nsub_t, k + 1);
           const int mm = m == 0x7fffffff ? v : m;
           const int cnt = (mm < v ? mm : v) - u > 0 ? (mm < v ? mm : v) - u : 0;
           const uint8_t* hdr = stage + sub_offset(u, j, k, row, a.hb);
           const volatile unsigned int* h = reinterpret_cast<const volatile unsigned int*>(hdr);
           const volatile int* vbase = reinterpret_cast<const volatile int*>(hdr + kHeaderBytes);
-          int base_l = lane < g ? vbase[lane] : 0;
+          int slot_l = lane < g ? vbase[lane] : 0;  // lane l < g: the send slot of l's next row
           if (lane == 0) {
             int base[32];
             for (int l = 0; l < g; ++l) base[l] = vbase[l];
@@ -552,36 +585,47 @@ __device__ inline void dispatch(const DispatchArgs& a) {
             if (!hdr_ok) report(a.status, 3, kPhaseHeader, src, w2, pack_w2(cnt, j, k, static_cast<int>(w1) > pe), 0);
           }
           if (__any_sync(0xffffffffu, failed(a.status))) continue;  // warp-uniform: ballots follow
-          int run = 0;
-          for (int r = 0; r < cnt; ++r) {
-            const uint8_t* srow = hdr + a.hb + static_cast<long long>(r) * row;
-            const uint8_t* meta = srow + a.meta_offset;
-            const int t = *reinterpret_cast<const volatile int*>(meta);
-            const float* w_in = reinterpret_cast<const float*>(meta + 4);
-            const short* eh = reinterpret_cast<const short*>(meta + 4 + 4 * K);
-            bool mine = false;
-            if (lane < g) {
+          const unsigned host_mask = g >= 32 ? 0xffffffffu : (1u << g) - 1u;
+          int run = 0;  // lane l < g: rows this warp forwarded to l
+          for (int r0 = 0; r0 < cnt; r0 += 32) {
+            const int nr = cnt - r0 < 32 ? cnt - r0 : 32;
+            unsigned dest = 0;  // lane i: the ranks of this host row r0 + i goes to
+            if (lane < nr) {
+              const uint8_t* meta = hdr + a.hb + static_cast<long long>(r0 + lane) * row + a.meta_offset;
               if (routed) {
+                const int hl = g * L;
                 for (int kk = 0; kk < K; ++kk) {
-                  const int e = reinterpret_cast<const volatile short*>(eh)[kk];
-                  mine = mine || (e >= lane * L && e < (lane + 1) * L);
+                  const int e = reinterpret_cast<const volatile short*>(meta + 4 + 4 * K)[kk];
+                  if (e >= 0 && e < hl) dest |= 1u << (e / L);
                 }
               } else {
-                mine = (*reinterpret_cast<const volatile unsigned*>(meta + 4) >> lane) & 1u;
+                dest = *reinterpret_cast<const volatile unsigned*>(meta + 4) & host_mask;
               }
             }
-            const int slot_l = base_l + run;
-            run += mine ? 1 : 0;
-            unsigned bits = __ballot_sync(0xffffffffu, mine);
-            while (bits) {
-              const int l = __ffs(bits) - 1;
-              bits &= bits - 1;
-              const int slot = __shfl_sync(0xffffffffu, slot_l, l);
-              const int d = my_host * g + l;
-              uint8_t* drow = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + src * a.region_bytes + static_cast<long long>(slot) * row;
-              copy_plain(drow, srow, a.x_bytes, lane);
-              if (routed) write_meta_for(drow + a.meta_offset, t, w_in, eh, K, l, L, lane);
-              else if (lane == 0) *reinterpret_cast<int*>(drow + a.meta_offset) = t;
+            for (int i = share - (r0 % S); i < nr; i += S) {
+              if (i < 0) continue;
+              const uint8_t* srow = hdr + a.hb + static_cast<long long>(r0 + i) * row;
+              const uint8_t* meta = srow + a.meta_offset;
+              const int t = *reinterpret_cast<const volatile int*>(meta);
+              const float* w_in = reinterpret_cast<const float*>(meta + 4);
+              const short* eh = reinterpret_cast<const short*>(meta + 4 + 4 * K);
+              unsigned bits = __shfl_sync(0xffffffffu, dest, i);
+              while (bits) {
+                const int l = __ffs(bits) - 1;
+                bits &= bits - 1;
+                const unsigned before = __ballot_sync(0xffffffffu, (dest >> l) & 1u) & ((1u << i) - 1u);
+                const int slot = __shfl_sync(0xffffffffu, slot_l, l) + __popc(before);
+                const int d = my_host * g + l;
+                uint8_t* drow = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + src * a.region_bytes + static_cast<long long>(slot) * row;
+                copy_plain<4>(drow, srow, a.x_bytes, lane);  // 4 in flight: up to 16 warps forward
+                if (routed) write_meta_for(drow + a.meta_offset, t, w_in, eh, K, l, L, lane);
+                else if (lane == 0) *reinterpret_cast<int*>(drow + a.meta_offset) = t;
+                run += lane == l ? 1 : 0;
+              }
+            }
+            for (int l = 0; l < g; ++l) {  // past this chunk: each rank's running count
+              const int c_l = __popc(__ballot_sync(0xffffffffu, (dest >> l) & 1u));
+              if (lane == l) slot_l += c_l;
             }
           }
           if (lane < g && run) atomicAdd(a.fwd_rows + area * g + lane, run);
@@ -648,7 +692,7 @@ __device__ inline void combine(const CombineArgs& a) {
   const unsigned long long op = current_op(my_sig, a.me);
   for (int s = threadIdx.x; s <= a.num_ranks; s += blockDim.x) starts[s] = a.recv_starts[s];
   const bool ok0 = wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseCombineFree, a.timeout_ns);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int g = a.g, my_host = a.me / g, my_local = a.me % g, c = blockIdx.x;
   const long long row = a.row_stride;
   const long long relay_rows_per = static_cast<long long>(a.cap);
@@ -687,7 +731,7 @@ __device__ inline void combine(const CombineArgs& a) {
     }
   });
   // B. Forward: for each other host's source with this rank's local index, channel c of every rank's rows.
-  if (ok0 && !failed(a.status)) {
+  if (__syncthreads_and(ok0 && !failed(a.status))) {  // block-uniform: the loop below has barriers
     for (int area = 0; area < a.num_hosts - 1; ++area) {
       const int src = other_host(area, my_host) * g + my_local;
       __syncthreads();
@@ -704,18 +748,20 @@ __device__ inline void combine(const CombineArgs& a) {
       if (!s_ok) break;
       unsigned long long* sig = reinterpret_cast<unsigned long long*>(const_cast<long long*>(peer_sig[src]) +
                                                                        a.me * kSignalWords + kFirstWord + c);
-      if (warp == 0) {
-        for (int i = 0; i < g; ++i) {
-          const int l = a.debug_reorder && !kOrdered ? g - 1 - i : i;
-          const long long n = relay_rows[l];
-          const long long lo = n * c / a.channels, hi = n * (c + 1) / a.channels;
-          if (a.debug_delay_ns) spin_ns(a.debug_delay_ns);
-          const uint8_t* from = reinterpret_cast<const uint8_t*>(a.peer_ws[a.me]) + a.hybrid_base +
-                                ((static_cast<long long>(area) * g + l) * relay_rows_per + lo) * row;
-          uint8_t* to = reinterpret_cast<uint8_t*>(a.peer_ws[src]) + static_cast<long long>(my_host * g + l) * a.region_bytes + lo * row;
-          if (kOrdered) put_signal_set(to, from, (hi - lo) * row, sig, (op << 32) | static_cast<unsigned long long>(i + 1), lane);
-          else put_signal_add(to, from, (hi - lo) * row, sig, (1ull << 32) | static_cast<unsigned long long>(hi - lo), lane);
+      // Every warp of the block copies each put (one warp alone was a serial chain of memory round trips).
+      for (int i = 0; i < g; ++i) {
+        const int l = a.debug_reorder && !kOrdered ? g - 1 - i : i;
+        const long long n = relay_rows[l];
+        const long long lo = n * c / a.channels, hi = n * (c + 1) / a.channels;
+        if (a.debug_delay_ns) {
+          if (threadIdx.x == 0) spin_ns(a.debug_delay_ns);
+          __syncthreads();
         }
+        const uint8_t* from = reinterpret_cast<const uint8_t*>(a.peer_ws[a.me]) + a.hybrid_base +
+                              ((static_cast<long long>(area) * g + l) * relay_rows_per + lo) * row;
+        uint8_t* to = reinterpret_cast<uint8_t*>(a.peer_ws[src]) + static_cast<long long>(my_host * g + l) * a.region_bytes + lo * row;
+        if (kOrdered) block_put_signal<true>(to, from, (hi - lo) * row, sig, (op << 32) | static_cast<unsigned long long>(i + 1));
+        else block_put_signal<false>(to, from, (hi - lo) * row, sig, (1ull << 32) | static_cast<unsigned long long>(hi - lo));
       }
     }
   }
