@@ -114,6 +114,8 @@ class Buffer:
             any value reuses the same compiled kernels.
         timeout_s: how long a native kernel waits for a peer before it gives up and the call raises
             :class:`lck_ep.native.NativeTimeoutError` (naming the rank and the phase) instead of hanging.
+            Over several (virtual) hosts the dispatch receiver waits twice this, since a source of its host
+            may itself wait this long on a stopped rank of another host before it publishes.
 
     Validated (the same ``ValueError``/``TypeError`` on every rank): the group and its membership, the
     integer arguments and their relations, agreement of all of them across ranks, and, when the runtime
