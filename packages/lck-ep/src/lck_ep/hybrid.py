@@ -356,7 +356,7 @@ def plan_hybrid(
     return HybridPlan(num_hosts, g, channels, parts, q_cap, hb, area, ordered)
 
 
-def hybrid_problem(*, num_ranks: int, num_topk: int, config: Any, one_machine: bool = True) -> str | None:
+def hybrid_problem(*, num_ranks: int, num_topk: int, config: Any, one_machine: bool) -> str | None:
     """Why the hybrid kernels cannot serve this group at all (limits no option changes), or None.
     ``one_machine``: whether the group's members all run on one machine (``MoEContext.one_machine``)."""
     if not one_machine:
