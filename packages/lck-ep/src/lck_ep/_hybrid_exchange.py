@@ -171,14 +171,6 @@ class HybridEp(NativeEp):
             "state is unusable now (finalize and configure again)"
         )
 
-    def receive(self, *, timeout_ns: int, **kw: Any) -> None:
-        """The native receiver, allowed two bounds: a source of this host publishes its own rows' count at
-        the end of its hybrid kernel, after forwarding, and a forwarding wait may itself take a whole bound
-        on a stopped source of another host. With one bound the receiver could give up on that live source
-        first and name it; with two, the forwarder's wait fails first and publishes what it has, so the
-        arrival words point at the member that stopped (:meth:`_raise_arrival_timeout`)."""
-        super().receive(timeout_ns=2 * timeout_ns, **kw)
-
     # -- the two sending launches ---------------------------------------------------------------------
     def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
         x, mask, send_slot, rows_to, topk_idx, topk_weights = rows

@@ -493,6 +493,20 @@ __device__ inline void dispatch(const DispatchArgs& a) {
   }
   __syncthreads();
   if (threadIdx.x == 0 && ok0) atomicAdd(blocks_done + (a.num_hosts - 1), 1);  // this block's own rows are stored
+  // Publish this source's own row counts to the ranks of its host as soon as every block stored them, not
+  // after forwarding: a forwarding wait may take a whole bound on a stopped source of another host, and the
+  // receivers of this host would otherwise wait that long for this (live) rank. The last block to arrive
+  // publishes (grid_step: every block's stores and its count above are fenced before its ticket).
+  grid_step(a.tickets + 1, [&] {
+    const bool own = static_cast<unsigned>(*reinterpret_cast<volatile int*>(blocks_done + (a.num_hosts - 1))) ==
+                     gridDim.x;
+    for (int l = threadIdx.x; own && l < g; l += blockDim.x) {
+      const int d = my_host * g + l;
+      long long* word = const_cast<long long*>(peer_sig[d]) + a.me * kSignalWords + kDispatchArrived;
+      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word),
+                                (op << 32) | static_cast<unsigned long long>(a.rows_to[d]));
+    }
+  });
 
   // 3. Forward: as the forwarder of every other host's source with this rank's local index, channel c.
   if (__syncthreads_and(ok0 && !failed(a.status))) {  // block-uniform: the loop below has barriers
@@ -636,22 +650,13 @@ __device__ inline void dispatch(const DispatchArgs& a) {
     }
   }
 
-  // 4. Publish: this host's ranks get this source's row counts, and every rank of this host gets the row
-  // counts forwarded to it from each other host's source. Each publication stands alone, like the native
-  // senders' (one per source): this source's own rows once every block stored them, another host's
-  // source's once every block forwarded its channel, even when another wait of this kernel failed. A
-  // forwarding wait that timed out on a stopped source must not hold back this rank's own rows, or the
-  // ranks of this host would time out on this (live) rank and name it instead of the stopped one.
+  // 4. Publish: every rank of this host gets the row counts forwarded to it from each other host's source
+  // (this source's own counts went out after step 2). Each publication stands alone, like the native
+  // senders' (one per source): another host's source's once every block forwarded its channel, even when
+  // another wait of this kernel failed.
   finish_grid(a.tickets, [&] {
     const int nfwd = (a.num_hosts - 1) * g;
     const unsigned blocks = gridDim.x;
-    const bool own = static_cast<unsigned>(*reinterpret_cast<volatile int*>(blocks_done + (a.num_hosts - 1))) == blocks;
-    for (int l = threadIdx.x; own && l < g; l += blockDim.x) {
-      const int d = my_host * g + l;
-      long long* word = const_cast<long long*>(peer_sig[d]) + a.me * kSignalWords + kDispatchArrived;
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word),
-                                (op << 32) | static_cast<unsigned long long>(a.rows_to[d]));
-    }
     for (int i = threadIdx.x; i < nfwd; i += blockDim.x) {
       const int area = i / g, l = i % g;
       if (static_cast<unsigned>(*reinterpret_cast<volatile int*>(blocks_done + area)) != blocks) continue;
