@@ -22,7 +22,6 @@
 #include <c10/cuda/CUDAStream.h>
 #if LCK_HOST_ATEN_CUDA
 #include <ATen/ops/addmm_cuda_dispatch.h>
-#include <ATen/cuda/CUDABlas.h>
 #include <ATen/ops/mm_cuda_dispatch.h>
 #endif
 #include <torch/csrc/Dtype.h>
@@ -119,55 +118,10 @@ inline bool lce_on_cuda(const at::Tensor& t) {
 #endif
 }
 
-#if LCK_HOST_ATEN_CUDA
-// A GEMM operand as cuBLAS takes it: row-major (stride(1) == 1, the rows stride(0) >= size(1) apart) is 'n' with
-// ld = stride(0); column-major (the transpose of such a matrix) is 't' with ld = stride(1). Other layouts: false.
-inline bool lce_blas_operand(const at::Tensor& t, char* trans, int64_t* ld) {
-  if (t.size(0) < 2 || t.size(1) < 2) return false;  // ATen reads a 1-row/column matrix's layout differently
-  if (t.stride(1) == 1 && t.stride(0) >= t.size(1)) {
-    *trans = 'n';
-    *ld = t.stride(0);
-    return true;
-  }
-  if (t.stride(0) == 1 && t.stride(1) >= t.size(0)) {
-    *trans = 't';
-    *ld = t.stride(1);
-    return true;
-  }
-  return false;
-}
-
-// out = a @ b (beta 0) through at::cuda::blas::gemm with the arguments mm_out's CUDA kernel derives for these
-// layouts (a row-major result is computed as out^T = b^T a^T: cuBLAS is column-major), so cuBLAS makes the same
-// call and gives the same bits; what it skips is the host work around it (the structured op's output checks,
-// the MaybeOwned operand preparation). A beta-0 mm never takes ATen's cublasLt route (that needs beta 1 and a
-// bias), so plain cuBLAS is what the dispatcher reaches too. False (nothing done) for any other case.
-template <typename T>
-inline bool lce_blas_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  char ta, tb, to;
-  int64_t lda, ldb, ldo;
-  if (!lce_blas_operand(a, &ta, &lda) || !lce_blas_operand(b, &tb, &ldb) || !lce_blas_operand(out, &to, &ldo) ||
-      to != 'n' || a.is_conj() || b.is_conj())
-    return false;
-  using Acc = at::opmath_type<T>;
-  at::cuda::blas::gemm<T>(tb, ta, b.size(1), a.size(0), a.size(1), Acc(1), static_cast<const T*>(b.const_data_ptr()),
-                          ldb, static_cast<const T*>(a.const_data_ptr()), lda, Acc(0),
-                          static_cast<T*>(out.mutable_data_ptr()), ldo);
-  return true;
-}
-#endif
-
 // (A torch without libtorch_cuda has no at::cuda entry points: those builds compile the dispatcher calls only.)
 inline void lce_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 #if LCK_HOST_ATEN_CUDA
   if (lce_on_cuda(out)) {
-    const at::ScalarType st = out.scalar_type();
-    if (a.scalar_type() == st && b.scalar_type() == st && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
-        out.size(1) == b.size(1)) {
-      if (st == at::kBFloat16 && lce_blas_mm<at::BFloat16>(out, a, b)) return;
-      if (st == at::kHalf && lce_blas_mm<at::Half>(out, a, b)) return;
-      if (st == at::kFloat && lce_blas_mm<float>(out, a, b)) return;
-    }
     at::cuda::mm_out(out, a, b);
     return;
   }
