@@ -69,3 +69,28 @@ def test_config_header_defaults_match_the_knob_table() -> None:
         m = re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", text)
         assert m is not None, name
         assert int(m.group(1)) == knobs.value(name), name
+
+
+def test_param_kinds_follow_the_c_signature() -> None:
+    """The kinds every kernel is bound with come from its C parameter list: a pointer is a Ptr, each scalar
+    its own kind; a type without a launch kind is refused, naming the parameter."""
+    from lck_ep.codegen import LAYOUT_KINDS, NATIVE_KERNELS, NATIVE_KINDS, native_source, param_kinds
+    from lck_ep.hybrid_codegen import HYBRID_KINDS, hybrid_source
+    from lck_runtime.jit import F32, I32, I64, U64, Ptr
+
+    params = (
+        "const uint8_t* x, long long n, int k,\n    unsigned long long t, float s, void *p, const bool* m"
+    )
+    assert param_kinds(params) == (Ptr, I64, I32, U64, F32, Ptr, Ptr)
+    with pytest.raises(ValueError, match="'short n'"):
+        param_kinds("int a, short n")
+    assert LAYOUT_KINDS == (Ptr, I32, I32, I32, I32, Ptr, Ptr, Ptr)
+    assert set(NATIVE_KINDS) == set(NATIVE_KERNELS) and set(HYBRID_KINDS) == {"dispatch", "combine"}
+    # as many kinds as the generated kernel has parameters
+    sources = [(native_source(k), NATIVE_KINDS[k]) for k in NATIVE_KERNELS]
+    sources += [(hybrid_source(r), HYBRID_KINDS[r]) for r in HYBRID_KINDS]
+    sources.append((layout_source(), LAYOUT_KINDS))
+    for text, kinds in sources:
+        signature = re.search(r"\n\w+\(([^)]*)\) \{", text)
+        assert signature is not None
+        assert len(kinds) == signature.group(1).count(",") + 1

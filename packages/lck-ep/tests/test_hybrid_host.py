@@ -8,23 +8,20 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from _launches import assert_launch, recording_launchers
 
+import lck_ep._hybrid_exchange as hybrid_exchange
 from lck_ep._hybrid_exchange import HybridEp
+from lck_ep.codegen import NATIVE_KINDS
 from lck_ep.hybrid import forwarder, stopped_member
-from lck_ep.native import NativeTimeoutError, OutgoingRows
+from lck_ep.hybrid_codegen import HYBRID_KINDS
+from lck_ep.native import NativeTimeoutError, OutgoingRows, meta_offset
 from lck_ep.reference import send_slots
-from lck_runtime.jit import I32, Ptr
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int, list[Any]]] = []
-
-    def launch(self, blocks: int, threads: int, args: list[Any]) -> None:
-        self.calls.append((blocks, threads, args))
+from lck_runtime.jit import I32, I64, U64, Ptr
 
 
 def _state(world: int = 4, hosts: int = 2, me: int = 1) -> Any:
@@ -35,11 +32,16 @@ def _state(world: int = 4, hosts: int = 2, me: int = 1) -> Any:
     ep.plan = lambda num_sms: SimpleNamespace(channels=8, parts=3, q_cap=8, header_bytes=32)
     ep.options = SimpleNamespace(debug_reorder=False, debug_delay_us=0)
     ep.peer_ws, ep.peer_sig = torch.arange(world), torch.arange(world) + 10
+    ep.workspace, ep.signals = torch.zeros(64, dtype=torch.uint8), torch.zeros(world * 32, dtype=torch.int64)
     ep.pack = torch.zeros(16, dtype=torch.uint8)
     ep.hybrid_base, ep.area_bytes = world << 20, 1 << 16
     ep.fwd_rows = torch.zeros((hosts - 1) * g + hosts, dtype=torch.int32)
+    ep.done = torch.zeros(4, dtype=torch.int32)
     ep.tickets, ep.status = torch.zeros(4, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)
-    ep.hybrid_kernels = {"dispatch": _Recorder()}
+    ep.launchers = recording_launchers(NATIVE_KINDS)
+    ep.hybrid_launchers = recording_launchers(HYBRID_KINDS)
+    ep._cache_addresses()
+    ep._cache_hybrid_addresses()
     ep.launches = {"dispatch": 0, "combine": 0}
     return ep
 
@@ -63,10 +65,39 @@ def _rows(tokens: int, world: int, topk: int, routed: bool, seed: int = 0) -> Ou
     return OutgoingRows(x, mask, send_slots(mask), rows_to, idx if routed else None, w if routed else None)
 
 
-def _launch(ep: Any, rows: OutgoingRows) -> list[Any]:
-    ep.send_rows(rows, 4, 24, 10**9)
-    (_, _, args), *_ = ep.hybrid_kernels["dispatch"].calls[-1:]
-    return args
+def _launch(ep: Any, rows: OutgoingRows) -> tuple[list[Any], tuple[torch.Tensor, ...]]:
+    """The dispatch launch's values, and the host streams it passed (``host_streams``' tensors, kept here:
+    the launch only saw their addresses)."""
+    made = []
+
+    def record(*args: Any) -> Any:
+        made.append(host_streams(*args))
+        return made[-1]
+
+    host_streams = hybrid_exchange.host_streams
+    with mock.patch.object(hybrid_exchange, "host_streams", record):
+        ep.send_rows(rows, 4, 24, 10**9)
+    (_, values), *_ = ep.hybrid_launchers["dispatch"].calls[-1:]
+    excl, host_tokens, host_rows = made[-1]
+    assert values[_EXCL : _HOST_ROWS + 1] == [excl.data_ptr(), host_tokens.data_ptr(), host_rows.data_ptr()]
+    return values, made[-1]
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_dispatch_launch_arguments(routed: bool) -> None:
+    """Every argument of the hybrid dispatch launch, in the order and kinds of its C signature."""
+    ep = _state()
+    ep.options = SimpleNamespace(debug_reorder=True, debug_delay_us=3)
+    rows = _rows(5, 4, 3, routed=routed)
+    _, (excl, host_tokens, host_rows) = _launch(ep, rows)
+    assert ep.launches["dispatch"] == 1
+    assert_launch(ep.hybrid_launchers["dispatch"], 0, 8, [
+        rows.x, I64(32), rows.topk_idx if routed else Ptr(0), rows.topk_weights if routed else Ptr(0), rows.mask,
+        rows.send_slot, excl, host_tokens, host_rows, rows.rows_to, ep.peer_ws, ep.peer_sig, ep.pack,
+        I64(1 << 20), I64(4608), I64(meta_offset(32)), I64(4 << 20), I64(1 << 16), I32(5), I32(3 if routed else 0),
+        I32(4), I32(1), I32(4), I32(2), I32(2), I32(8), I32(3), I32(8), I32(32), I32(64), I32(1), U64(3000),
+        ep.fwd_rows, ep.tickets[0:2], ep.status, U64(10**9),
+    ])  # fmt: skip
 
 
 def test_a_rank_with_no_tokens_still_launches_a_routed_dispatch() -> None:
@@ -78,13 +109,13 @@ def test_a_rank_with_no_tokens_still_launches_a_routed_dispatch() -> None:
     ep = _state()
     empty = _rows(0, 4, 4, routed=True)
     assert empty.topk_idx is not None and empty.topk_idx.data_ptr() == 0  # null on the device as well
-    args = _launch(ep, empty)
-    assert args[_NUM_TOKENS] == I32(0)
-    assert args[_NUM_TOPK] == I32(4), "a dispatch from a rank with no tokens must still say it is routed"
-    full = _launch(ep, _rows(5, 4, 4, routed=True))
-    assert full[_NUM_TOPK] == I32(4)
-    replay = _launch(ep, _rows(5, 4, 4, routed=False))
-    assert replay[_TOPK_IDX] == Ptr(0) and replay[_NUM_TOPK] == I32(0)
+    args, _ = _launch(ep, empty)
+    assert args[_NUM_TOKENS] == 0
+    assert args[_NUM_TOPK] == 4, "a dispatch from a rank with no tokens must still say it is routed"
+    full, _ = _launch(ep, _rows(5, 4, 4, routed=True))
+    assert full[_NUM_TOPK] == 4
+    replay, _ = _launch(ep, _rows(5, 4, 4, routed=False))
+    assert replay[_TOPK_IDX] == 0 and replay[_NUM_TOPK] == 0
 
 
 def test_the_kernels_take_the_row_format_from_num_topk() -> None:
@@ -103,14 +134,13 @@ def test_host_streams_and_first_slots_follow_the_reference(world: int, hosts: in
     every token that goes there (a sub-part header's first slots)."""
     ep = _state(world, hosts)
     rows = _rows(tokens, world, 3, routed=True, seed=tokens + world)
-    args = _launch(ep, rows)
+    _, (excl, host_tokens, host_rows) = _launch(ep, rows)
     g = world // hosts
     mask = rows.mask
     for h in range(hosts):
         stream = [t for t in range(tokens) if bool(mask[t, h * g : (h + 1) * g].any())]
-        assert int(args[_HOST_ROWS][h]) == len(stream)
-        assert args[_HOST_TOKENS][h, : len(stream)].tolist() == stream
-    excl = args[_EXCL]
+        assert int(host_rows[h]) == len(stream)
+        assert host_tokens[h, : len(stream)].tolist() == stream
     assert excl.dtype == torch.int32 and excl.is_contiguous() and list(excl.shape) == [tokens, world]
     slots = send_slots(mask)
     assert torch.equal(excl.to(torch.int64)[mask], slots[mask])

@@ -1,7 +1,10 @@
-"""The native and hybrid sending launches pass their kernels' arguments in the order the CUDA signatures take
-(dispatch.cuh's and combine.cuh's send kernels, hybrid_common.cuh's), on the CPU: the kernels are recorded,
-not run. Guards the Python plumbing between the exchange and the launches (``OutgoingRows``,
-``OutgoingPartials``, ``NativeEp.partials_args``), which the GPU tests only see as a wrong answer or a hang.
+"""Every native launch, and the hybrid pair's combine launch, passes its kernel the arguments in the order and
+with the kinds the CUDA signatures take (dispatch.cuh's and combine.cuh's kernels, hybrid_common.cuh's), on
+the CPU: the bound launches are recorded, not run. The expected arguments are written as the typed
+arguments the kernels' C parameters read (``I32(n)``, a tensor for a pointer) and compared with the bound
+call's kinds and flat values (:mod:`_launches`). Guards the Python plumbing between the exchange and the
+launches (``OutgoingRows``, ``OutgoingPartials``, ``NativeEp.partials_args``, the addresses a state reads
+once), which the GPU tests only see as a wrong answer or a hang.
 """
 
 from __future__ import annotations
@@ -9,39 +12,27 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
+from _launches import assert_launch, recording_launchers
 
 from lck_ep._hybrid_exchange import HybridEp
+from lck_ep.codegen import NATIVE_KINDS
+from lck_ep.hybrid_codegen import HYBRID_KINDS
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows, meta_offset
 from lck_runtime.jit import I32, I64, U64, Ptr
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int, list[Any]]] = []
-
-    def launch(self, blocks: int, threads: int, args: list[Any]) -> None:
-        self.calls.append((blocks, threads, args))
-
-
-def _key(a: Any) -> Any:
-    # Views made per call (``done[0:1]``) are new objects: compare tensors by storage, offset and shape.
-    if isinstance(a, torch.Tensor):
-        return ("tensor", a.data_ptr(), tuple(a.shape))
-    return a
-
-
-def _same(got: list[Any], want: list[Any]) -> None:
-    assert [_key(a) for a in got] == [_key(a) for a in want]
 
 
 def _state(cls: type) -> Any:
     ep = object.__new__(cls)  # no context, no GPU: only what the launches read
     ep.layout = SimpleNamespace(region_bytes=1 << 20, row_stride=4608, cap=64)
+    ep.workspace, ep.signals = torch.zeros(64, dtype=torch.uint8), torch.zeros(16, dtype=torch.int64)
     ep.peer_ws, ep.peer_sig = torch.arange(4), torch.arange(4) + 10
-    ep.size, ep.me = 4, 1
-    ep.done, ep.status = torch.zeros(4, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
-    ep.kernels = {"ep_dispatch_send": _Recorder(), "ep_combine_send": _Recorder()}
+    ep.size, ep.me, ep.device_sms = 4, 1, 132
+    ep.done, ep.status = torch.zeros(4, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)
+    ep.status_host = torch.zeros(6, dtype=torch.int64)
+    ep.launchers = recording_launchers(NATIVE_KINDS)
+    ep._cache_addresses()
     return ep
 
 
@@ -54,19 +45,91 @@ def _rows(routed: bool) -> OutgoingRows:
     return OutgoingRows(x, mask, slot, rows_to, idx, w)
 
 
+def test_native_send_slots_arguments() -> None:
+    ep, mask = _state(NativeEp), torch.rand(5, 4) > 0.5
+    slot = ep.send_slots(mask)
+    assert_launch(ep.launchers["ep_send_slots"], 0, 4, [mask, I32(5), I32(4), slot])
+    ep.send_slots(mask[:0])
+    assert len(ep.launchers["ep_send_slots"].calls) == 1  # no tokens: no launch
+
+
 def test_native_send_rows_arguments() -> None:
     for routed in (True, False):
         ep, sent = _state(NativeEp), _rows(routed)
         ep.send_rows(sent, 3, 7, 9)
-        (blocks, _, args), *_ = ep.kernels["ep_dispatch_send"].calls
-        x = sent.x
-        assert blocks == 7
-        _same(args, [
-            x, I64(32), sent.topk_idx if routed else Ptr(0), sent.topk_weights if routed else Ptr(0),
+        assert_launch(ep.launchers["ep_dispatch_send"], 0, 7, [
+            sent.x, I64(32), sent.topk_idx if routed else Ptr(0), sent.topk_weights if routed else Ptr(0),
             sent.mask, sent.send_slot, sent.rows_to, ep.peer_ws, ep.peer_sig, I64(1 << 20), I64(4608),
             I64(meta_offset(32)), I32(5), I32(2 if routed else 0), I32(4), I32(1), I32(3), ep.done[0:1],
             ep.status, U64(9),
         ])  # fmt: skip
+
+
+@pytest.mark.parametrize("meta", [True, False])
+def test_native_receive_arguments(meta: bool) -> None:
+    ep = _state(NativeEp)
+    ints = torch.zeros(64, dtype=torch.int64)
+    out: dict[str, Any] = {"recv_counts": ints[0:4], "recv_starts": ints[4:9], "num_recv": ints[9:10]}
+    if meta:
+        out.update(recv_src_idx=ints[10:16], recv_topk_idx=ints[16:28].view(6, 2), recv_topk_weights=None,
+                   recv_src_rank=ints[28:34], slot_pos=ints[34:50], per_expert=None,
+                   kept_per_expert=torch.zeros(3, dtype=torch.int32))  # fmt: skip
+
+    def opt(name: str) -> Any:
+        return out.get(name) if out.get(name) is not None else Ptr(0)
+
+    ep.receive(row_bytes=34, rows=6, num_topk=2, has_meta=meta, num_local_experts=3, cap=64, out=out, num_sms=8,
+               timeout_ns=5)  # fmt: skip
+    launch = ep.launchers["ep_dispatch_recv"]
+    assert len(launch.calls) == 2
+    for call, (stage, blocks) in enumerate(((0, 1), (1, 132))):
+        assert_launch(launch, call, blocks, [
+            ep.workspace, ep.signals, I64(1 << 20), I64(4608), I64(meta_offset(34)), I64(64), I64(6), I32(4),
+            I32(1), I32(2), I32(1 if meta else 0), I32(3), opt("recv_src_idx"), opt("recv_topk_idx"),
+            opt("recv_topk_weights"), opt("recv_src_rank"), opt("recv_counts"), opt("recv_starts"),
+            opt("slot_pos"), opt("num_recv"), opt("per_expert"), opt("kept_per_expert"), I32(stage), ep.status,
+            U64(5),
+        ])  # fmt: skip
+
+
+def test_native_expand_maps_arguments() -> None:
+    ep = _state(NativeEp)
+    idx, kept = torch.zeros(6, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)
+    offsets, src_row, slot = (torch.zeros(n, dtype=torch.int64) for n in (4, 20, 20))
+    index = torch.zeros(6, 2, dtype=torch.int64)
+    ep.expand_maps(idx, kept, 16, offsets, src_row, slot, index)
+    assert_launch(ep.launchers["ep_expand_maps"], 0, 3, [
+        idx, kept, I64(12), I64(20), I32(2), I32(3), I32(16), offsets, src_row, slot, index, ep.status,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_native_copy_rows_arguments(expanded: bool) -> None:
+    ep = _state(NativeEp)
+    x, starts = torch.randn(5, 16, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int64)
+    src_row = torch.zeros(20, dtype=torch.int64) if expanded else None
+    end = torch.zeros(4, dtype=torch.int64)[3:] if expanded else None
+    out = torch.zeros(20, 16, dtype=torch.bfloat16)
+    ep.copy_rows(x, starts, src_row, out, 200, rows_end=end)
+    assert_launch(ep.launchers["ep_dispatch_rows"], 0, 200, [
+        x, ep.workspace, ep.signals, I64(1 << 20), I64(4608), I64(meta_offset(32)), I64(32), starts,
+        src_row if expanded else Ptr(0), end if expanded else Ptr(0), I64(20), I32(4), I32(1), out,
+        ep.done[1:2], ep.status,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float16, 1), (torch.float32, 2)])
+def test_native_reduce_expanded_arguments(dtype: torch.dtype, code: int) -> None:
+    ep = _state(NativeEp)
+    x, index = torch.randn(30, 16).to(dtype), torch.zeros(100, 3, dtype=torch.int64)
+    partial = torch.zeros(100, 16, dtype=dtype)
+    weights, used = torch.rand(100, 3), torch.zeros((), dtype=torch.int64)
+    ep.reduce_expanded(x, index, None, partial)
+    ep.reduce_expanded(x, index, weights, partial, rows_used=used)
+    launch = ep.launchers["ep_reduce_expanded"]
+    # 100 rows, one warp each: 7 blocks of 16 warps
+    assert_launch(launch, 0, 7, [x, index, Ptr(0), partial, I64(100), Ptr(0), I32(3), I32(16), I32(code)])
+    assert_launch(launch, 1, 7, [x, index, weights, partial, I64(100), used, I32(3), I32(16), I32(code)])
 
 
 def _partials() -> OutgoingPartials:
@@ -76,25 +139,47 @@ def _partials() -> OutgoingPartials:
 def test_native_send_partials_arguments() -> None:
     ep, sent = _state(NativeEp), _partials()
     ep.send_partials(sent, 5, 11)
-    (blocks, _, args), *_ = ep.kernels["ep_combine_send"].calls
-    assert blocks == 5
-    _same(args, [
+    assert_launch(ep.launchers["ep_combine_send"], 0, 5, [
         sent.partial, I64(32), I64(6), sent.recv_counts, sent.recv_starts, ep.peer_ws, ep.peer_sig,
         I64(1 << 20), I64(4608), I32(4), I32(1), ep.done[2:3], ep.status, U64(11),
     ])  # fmt: skip
 
 
+@pytest.mark.parametrize("num_bias", [0, 1, 2])
+@pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float32, 2)])
+def test_native_reduce_partials_arguments(num_bias: int, dtype: torch.dtype, code: int) -> None:
+    ep = _state(NativeEp)
+    partial, starts = torch.randn(6, 16).to(dtype), torch.zeros(5, dtype=torch.int64)
+    out, mask, slot = (
+        torch.zeros(5, 16, dtype=dtype),
+        torch.rand(5, 4) > 0.5,
+        torch.zeros(5, 4, dtype=torch.int64),
+    )
+    bias = tuple(torch.randn(5, 16).to(dtype) for _ in range(num_bias))
+    ep.reduce_partials(partial, starts, out, mask, slot, bias, 8, 13)
+    b0 = bias[0] if num_bias > 0 else Ptr(0)
+    b1 = bias[1] if num_bias > 1 else Ptr(0)
+    launch = ep.launchers["ep_combine_recv"]
+    assert len(launch.calls) == 2
+    for call, (stage, blocks) in enumerate(((0, 1), (1, 132))):
+        assert_launch(launch, call, blocks, [
+            partial, I64(6), starts, ep.workspace, ep.signals, I64(1 << 20), I64(4608), mask, slot, b0, b1, out,
+            I32(5), I32(16), I32(4), I32(1), I32(stage), I32(code), ep.done[3:4], ep.status, U64(13),
+        ])  # fmt: skip
+
+
 def test_hybrid_send_partials_arguments() -> None:
     ep, sent = _state(HybridEp), _partials()
-    ep.hybrid_kernels = {"combine": _Recorder()}
+    ep.hybrid_launchers = recording_launchers(HYBRID_KINDS)
     ep.plan = lambda num_sms: SimpleNamespace(channels=6)
     ep.options = SimpleNamespace(debug_reorder=True, debug_delay_us=2)
     ep.hybrid_base, ep.g, ep.num_hosts = 4096, 2, 2
-    ep.tickets, ep.launches = torch.zeros(4, dtype=torch.int64), {"combine": 0}
+    ep.pack, ep.fwd_rows = torch.zeros(16, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32)
+    ep.tickets, ep.launches = torch.zeros(4, dtype=torch.int32), {"combine": 0}
+    ep._cache_hybrid_addresses()
     ep.send_partials(sent, 5, 11)
-    (blocks, _, args), *_ = ep.hybrid_kernels["combine"].calls
-    assert blocks == 6 and ep.launches["combine"] == 1
-    _same(args, [
+    assert ep.launches["combine"] == 1
+    assert_launch(ep.hybrid_launchers["combine"], 0, 6, [
         sent.partial, I64(32), I64(6), sent.recv_counts, sent.recv_starts, ep.peer_ws, ep.peer_sig,
         I64(1 << 20), I64(4608), I64(4096), I32(4), I32(1), I32(2), I32(2), I32(6), I32(64), I32(1),
         U64(2000), ep.tickets[2:4], ep.status, U64(11),

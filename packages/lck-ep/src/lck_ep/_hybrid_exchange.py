@@ -8,7 +8,9 @@ words exactly as the native senders do.
 
 Per launch the host computes, with a few device ops and no host synchronisation, each host stream (the
 tokens that go to a host, in token order: ``host_tokens [NH, T]``, ``host_rows [NH]``) and the rows sent to
-every rank before each token (``excl [T, W]``, the first send slot a sub-part header carries).
+every rank before each token (``excl [T, W]``, the first send slot a sub-part header carries). The pair is
+bound once per state, like the native kernels (:func:`lck_ep.native.bind_kernels`, kinds
+:data:`lck_ep.hybrid_codegen.HYBRID_KINDS`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from lck_ep.hybrid import (
     read_hybrid_options,
     stopped_member,
 )
+from lck_ep.hybrid_codegen import HYBRID_KINDS
 from lck_ep.knobs import read_knobs
-from lck_ep.native import NativeEp, NativeTimeoutError, OutgoingPartials, OutgoingRows, meta_offset
-from lck_runtime.jit import I32, I64, U64, Ptr
+from lck_ep.native import (
+    NativeEp,
+    NativeTimeoutError,
+    OutgoingPartials,
+    OutgoingRows,
+    _addr,
+    bind_kernels,
+    meta_offset,
+)
 
-__all__ = ["HybridEp"]
+__all__ = ["HybridEp", "host_streams"]
 
 _THREADS = 512
 _HYBRID_PHASES = {
@@ -45,6 +55,21 @@ _HYBRID_PHASES = {
 _NATIVE_DISPATCH_ARRIVE = 2
 _NATIVE_DISPATCH_ARRIVED = 0
 _STATES: dict[int, HybridEp] = {}
+
+
+def host_streams(
+    mask: torch.Tensor, num_hosts: int, g: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(excl [T, W], host_tokens [NH, T], host_rows [NH])`` int32 of a dispatch's ``mask [T, W]``, by a
+    few device ops (no host synchronisation): see the module docstring."""
+    t = mask.shape[0]
+    hmask = mask.view(t, num_hosts, g).any(2)
+    host_rows = hmask.sum(0, dtype=torch.int32)
+    # Tokens of each host stream first, in token order (a stable sort of "not going there").
+    host_tokens = torch.argsort((~hmask).to(torch.int8), dim=0, stable=True).t().to(torch.int32).contiguous()
+    as_int = mask.to(torch.int32)
+    excl = (torch.cumsum(as_int, 0, dtype=torch.int32) - as_int).contiguous()
+    return excl, host_tokens, host_rows
 
 
 class HybridEp(NativeEp):
@@ -75,8 +100,18 @@ class HybridEp(NativeEp):
         )
         self.tickets = torch.zeros(4, dtype=torch.int32, device=device)
         self.hybrid_kernels = build_hybrid_kernels(device.index, self.knobs)
+        self.hybrid_launchers = bind_kernels(self.hybrid_kernels, HYBRID_KINDS, device.index)
         self._check_resident(base, device)
+        self._cache_hybrid_addresses()
         self.launches = {"dispatch": 0, "combine": 0}  # the tests check that the hybrid pair ran
+
+    def _cache_hybrid_addresses(self) -> None:
+        """The hybrid buffers' addresses, read once (:meth:`NativeEp._cache_addresses`); ``_tickets[i]``:
+        ``tickets[2 * i : 2 * i + 2]``, the dispatch's (0) and the combine's (1) pair of grid tickets."""
+        self._pack = self.pack.data_ptr()
+        self._fwd_rows = self.fwd_rows.data_ptr()
+        step = 2 * self.tickets.element_size()
+        self._tickets = (self.tickets.data_ptr(), self.tickets.data_ptr() + step)
 
     @property
     def signature(self) -> int:
@@ -176,61 +211,52 @@ class HybridEp(NativeEp):
         x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
         plan = self.plan(num_sms)
         lay = self.layout
-        t = mask.shape[0]
         nh, g = self.num_hosts, self.g
-        hmask = mask.view(t, nh, g).any(2)
-        host_rows = hmask.sum(0, dtype=torch.int32)
-        # Tokens of each host stream first, in token order (a stable sort of "not going there").
-        host_tokens = (
-            torch.argsort((~hmask).to(torch.int8), dim=0, stable=True).t().to(torch.int32).contiguous()
-        )
-        as_int = mask.to(torch.int32)
-        excl = (torch.cumsum(as_int, 0, dtype=torch.int32) - as_int).contiguous()
+        excl, host_tokens, host_rows = host_streams(mask, nh, g)
         x_bytes = x.shape[1] * x.element_size()
         # num_topk > 0 tells the kernels a dispatch's routed rows from a replay's (0), alike on every rank: a
         # rank with no tokens passes an empty topk_idx, whose address is 0 like a replay's missing one.
         k = topk_idx.shape[1] if topk_idx is not None else 0
         opt = self.options
-        self.hybrid_kernels["dispatch"].launch(
+        self.hybrid_launchers["dispatch"](
             plan.channels,
-            _THREADS,
             [
-                x,
-                I64(x_bytes),
-                topk_idx if topk_idx is not None else Ptr(0),
-                topk_weights if topk_weights is not None else Ptr(0),
-                mask,
-                send_slot,
-                excl,
-                host_tokens,
-                host_rows,
-                rows_to,
-                self.peer_ws,
-                self.peer_sig,
-                self.pack,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
-                I64(meta_offset(x_bytes)),
-                I64(self.hybrid_base),
-                I64(self.area_bytes),
-                I32(t),
-                I32(k),
-                I32(self.size),
-                I32(self.me),
-                I32(num_local_experts),
-                I32(g),
-                I32(nh),
-                I32(plan.channels),
-                I32(plan.parts),
-                I32(plan.q_cap),
-                I32(plan.header_bytes),
-                I32(lay.cap),
-                I32(1 if opt.debug_reorder else 0),
-                U64(opt.debug_delay_us * 1000),
-                self.fwd_rows,
-                self.tickets[0:2],
-                self.status,
-                U64(timeout_ns),
+                x.data_ptr(),
+                x_bytes,
+                _addr(topk_idx),
+                _addr(topk_weights),
+                mask.data_ptr(),
+                send_slot.data_ptr(),
+                excl.data_ptr(),
+                host_tokens.data_ptr(),
+                host_rows.data_ptr(),
+                rows_to.data_ptr(),
+                self._peer_ws,
+                self._peer_sig,
+                self._pack,
+                lay.region_bytes,
+                lay.row_stride,
+                meta_offset(x_bytes),
+                self.hybrid_base,
+                self.area_bytes,
+                mask.shape[0],
+                k,
+                self.size,
+                self.me,
+                num_local_experts,
+                g,
+                nh,
+                plan.channels,
+                plan.parts,
+                plan.q_cap,
+                plan.header_bytes,
+                lay.cap,
+                1 if opt.debug_reorder else 0,
+                opt.debug_delay_us * 1000,
+                self._fwd_rows,
+                self._tickets[0],
+                self._status,
+                timeout_ns,
             ],
         )
         self.launches["dispatch"] += 1
@@ -239,23 +265,22 @@ class HybridEp(NativeEp):
         plan = self.plan(num_sms)
         lay = self.layout
         opt = self.options
-        self.hybrid_kernels["combine"].launch(
+        self.hybrid_launchers["combine"](
             plan.channels,
-            _THREADS,
             [
                 *self.partials_args(sent),
-                I64(self.hybrid_base),
-                I32(self.size),
-                I32(self.me),
-                I32(self.g),
-                I32(self.num_hosts),
-                I32(plan.channels),
-                I32(lay.cap),
-                I32(1 if opt.debug_reorder else 0),
-                U64(opt.debug_delay_us * 1000),
-                self.tickets[2:4],
-                self.status,
-                U64(timeout_ns),
+                self.hybrid_base,
+                self.size,
+                self.me,
+                self.g,
+                self.num_hosts,
+                plan.channels,
+                lay.cap,
+                1 if opt.debug_reorder else 0,
+                opt.debug_delay_us * 1000,
+                self._tickets[1],
+                self._status,
+                timeout_ns,
             ],
         )
         self.launches["combine"] += 1

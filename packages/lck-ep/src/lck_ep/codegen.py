@@ -16,18 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lck_ep.knobs import HYBRID_KERNELS, EpKnobs
+from lck_runtime.jit import F32, I32, I64, U64, Ptr  # argument classes only: no torch, no compiler
 
 __all__ = [
     "CSRC_DIR",
     "LAYOUT_BLOCK_THREADS",
     "LAYOUT_KERNEL",
+    "LAYOUT_KINDS",
     "NATIVE_KERNELS",
+    "NATIVE_KINDS",
     "NATIVE_THREADS",
     "KernelSpec",
     "layout_source",
     "layout_spec",
     "native_source",
     "native_spec",
+    "param_kinds",
 ]
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -36,6 +40,27 @@ LAYOUT_KERNEL = "ep_layout_kernel"
 # starving occupancy (the kernel is a few loads and shared atomics per token).
 LAYOUT_BLOCK_THREADS = 256
 _LAYOUT_HEADERS = ("ep_config.cuh", "ep_layout.cuh")
+_LAYOUT_PARAMS = """const ep_topk_idx_t* topk_idx, int num_tokens, int num_topk, int num_experts,
+    int num_ranks, int* num_tokens_per_rank, int* num_tokens_per_expert, bool* is_token_in_rank"""
+# C scalar parameter types -> the launch argument kinds; every pointer is a Ptr.
+_SCALAR_KINDS = {"int": I32, "long long": I64, "unsigned long long": U64, "float": F32}
+
+
+def param_kinds(params: str) -> tuple[type, ...]:
+    """The launch argument kinds (``lck_runtime.jit`` ``I32/I64/U64/F32/Ptr``) of a generated kernel's C
+    parameter list, in order: what its pre-bound launch is bound with (``Kernel.bind``), so the kinds
+    cannot drift from the signature the kernel is compiled with."""
+    kinds: list[type] = []
+    for decl in params.split(","):
+        words = decl.replace("*", " * ").split()
+        if "*" in words:
+            kinds.append(Ptr)
+            continue
+        ctype = " ".join(w for w in words[:-1] if w != "const")
+        if ctype not in _SCALAR_KINDS:
+            raise ValueError(f"param_kinds: no launch kind for the C parameter {decl.strip()!r}")
+        kinds.append(_SCALAR_KINDS[ctype])
+    return tuple(kinds)
 
 
 @dataclass(frozen=True)
@@ -75,8 +100,7 @@ def layout_source(hybrid_kernel: str = "unordered") -> str:
 #define LCK_EP_HYBRID_VARIANT "{hybrid_kernel}"
 
 extern "C" __global__ void __launch_bounds__({LAYOUT_BLOCK_THREADS})
-{LAYOUT_KERNEL}(const ep_topk_idx_t* topk_idx, int num_tokens, int num_topk, int num_experts,
-    int num_ranks, int* num_tokens_per_rank, int* num_tokens_per_expert, bool* is_token_in_rank) {{
+{LAYOUT_KERNEL}({_LAYOUT_PARAMS}) {{
     lck_ep::dispatch_layout(topk_idx, num_tokens, num_topk, num_experts, num_ranks,
                             num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank);
 }}
@@ -184,6 +208,8 @@ _NATIVE_BODIES = {
     ),
 }
 NATIVE_KERNELS = tuple(_NATIVE_BODIES)
+LAYOUT_KINDS = param_kinds(_LAYOUT_PARAMS)
+NATIVE_KINDS = {kernel: param_kinds(params) for kernel, (_, params, _) in _NATIVE_BODIES.items()}
 
 
 def _runtime_csrc() -> Path:

@@ -10,10 +10,10 @@ the native backend's kernels (:mod:`lck_ep.codegen`), unchanged.
 
 from __future__ import annotations
 
-from lck_ep.codegen import CSRC_DIR, NATIVE_THREADS, KernelSpec, _runtime_csrc
+from lck_ep.codegen import CSRC_DIR, NATIVE_THREADS, KernelSpec, _runtime_csrc, param_kinds
 from lck_ep.knobs import HYBRID_KERNELS, EpKnobs
 
-__all__ = ["HYBRID_ROLES", "hybrid_kernel_names", "hybrid_source", "hybrid_spec"]
+__all__ = ["HYBRID_KINDS", "HYBRID_ROLES", "hybrid_kernel_names", "hybrid_source", "hybrid_spec"]
 
 _PARAMS = {
     "dispatch": """const uint8_t* x, long long x_bytes, const long long* topk_idx, const float* topk_weights,
@@ -40,6 +40,8 @@ _BODIES = {
         debug_delay_ns, tickets, status, timeout_ns};
     lck_ep::hybrid::combine_pair(a);""",
 }
+# The launch argument kinds of each role (both pairs share the signatures).
+HYBRID_KINDS = {role: param_kinds(params) for role, params in _PARAMS.items()}
 # What each entry of a pair is, for ``lck ep warmup``'s listing (role -> description).
 HYBRID_ROLES = {
     "dispatch": "hybrid dispatch (scale-out sub-part puts with headers, forwarding on the destination host)",

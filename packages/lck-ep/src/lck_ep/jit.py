@@ -6,8 +6,8 @@ them before anything is compiled, and turns the set ones into defines. Loaded ke
 per (knobs, extra flags, device) in the process, and the JIT's cache key (source, header contents,
 every flag, nvcc version) keeps artifacts of different knob values apart on disk.
 
-The dispatch-layout kernel is launched by :func:`lck_ep.layout.layout_kernel`, which imports this module
-(never the other way round).
+The dispatch-layout kernel is launched by :func:`lck_ep.layout.layout_kernel` through a pre-bound launch
+(:func:`layout_launcher`), which imports this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lck_ep.codegen import KernelSpec, layout_spec
+from lck_ep.codegen import LAYOUT_BLOCK_THREADS, LAYOUT_KINDS, KernelSpec, layout_spec
 from lck_ep.knobs import EpKnobs, current_knobs, read_knobs
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "compile_layout_kernel",
     "current_layout_spec",
     "kernel_for",
+    "layout_launcher",
     "num_sms",
 ]
 
@@ -36,6 +37,7 @@ MAX_LAYOUT_SHARED_BYTES = 48 * 1024
 _TOPK_DTYPES = {64: "int64", 32: "int32", 16: "int16", 8: "int8"}
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
+_LAUNCHERS: dict[tuple[Any, ...], Any] = {}
 _SMS: dict[int, int] = {}
 TOPK_DTYPES = _TOPK_DTYPES
 
@@ -85,13 +87,17 @@ def build_layout_kernel(*, knobs: EpKnobs | None = None, arch: str | None = None
     return _jit().build(**spec.build_kwargs(), arch=arch)
 
 
-def kernel_for(device_index: int, knobs: EpKnobs) -> Any:
-    key = (
+def _key(device_index: int, knobs: EpKnobs) -> tuple[Any, ...]:
+    return (
         knobs,
         os.environ.get("EP_JIT_EXTRA_FLAGS", ""),
         os.environ.get("EP_JIT_CACHE_DIR", ""),
         device_index,
     )
+
+
+def kernel_for(device_index: int, knobs: EpKnobs) -> Any:
+    key = _key(device_index, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
         with _LOCK:
@@ -100,6 +106,24 @@ def kernel_for(device_index: int, knobs: EpKnobs) -> Any:
                 kernel = build_layout_kernel(knobs=knobs)
                 _KERNELS[key] = kernel
     return kernel
+
+
+def layout_launcher(device_index: int, knobs: EpKnobs, shared_mem: int) -> Any:
+    """:func:`kernel_for`'s layout kernel bound (``lck_runtime.jit.Kernel.bind``) to ``device_index``, its
+    block size, ``shared_mem`` bytes and the kinds of its C signature; memoised like the kernel (one per
+    shared-memory size: a few per process), so a layout call costs one small host call."""
+    key = (*_key(device_index, knobs), shared_mem)
+    launch = _LAUNCHERS.get(key)
+    if launch is None:
+        kernel = kernel_for(device_index, knobs)
+        with _LOCK:
+            launch = _LAUNCHERS.get(key)
+            if launch is None:
+                launch = kernel.bind(
+                    LAYOUT_KINDS, block=LAYOUT_BLOCK_THREADS, shared_mem=shared_mem, device=device_index
+                )
+                _LAUNCHERS[key] = launch
+    return launch
 
 
 def num_sms(device_index: int) -> int:

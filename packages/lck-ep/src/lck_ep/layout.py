@@ -114,8 +114,9 @@ def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
     num_tokens, num_topk = topk_idx.shape
     knobs = jit.check_layout_problem(num_experts=num_experts, num_ranks=num_ranks, num_topk=num_topk)
     dev = topk_idx.device
-    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
-    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    # One zeroed allocation for both counters (one host call fewer): the kernel adds into them.
+    counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=dev)
+    per_rank, per_expert = counts[:num_ranks], counts[num_ranks:]
     mask = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
     if num_tokens == 0:
         return DispatchLayout(per_rank, per_expert, mask)
@@ -126,10 +127,9 @@ def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
         # into a valid expert index.
         keep = (topk_idx >= -1) & (topk_idx < num_experts)
         idx = torch.where(keep, topk_idx, -1).to(getattr(torch, jit.TOPK_DTYPES[bits]))
-    from lck_runtime.jit import I32
-
     device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = jit.kernel_for(device_index, knobs)
+    # Bound to device_index: it runs there, on that device's current stream, whichever device is current.
+    launch = jit.layout_launcher(device_index, knobs, 4 * (num_experts + num_ranks))
     blocks = max(
         1,
         min(
@@ -137,21 +137,17 @@ def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
             4 * jit.num_sms(device_index),
         ),
     )
-    with torch.cuda.device(device_index):
-        kernel.launch(
-            (blocks, 1, 1),
-            (LAYOUT_BLOCK_THREADS, 1, 1),
-            [
-                idx,
-                I32(num_tokens),
-                I32(num_topk),
-                I32(num_experts),
-                I32(num_ranks),
-                per_rank,
-                per_expert,
-                mask,
-            ],
-            shared_mem=4 * (num_experts + num_ranks),
-            stream=torch.cuda.current_stream(dev),
-        )
+    launch(
+        blocks,
+        [
+            idx.data_ptr(),
+            num_tokens,
+            num_topk,
+            num_experts,
+            num_ranks,
+            per_rank.data_ptr(),
+            per_expert.data_ptr(),
+            mask.data_ptr(),
+        ],
+    )
     return DispatchLayout(per_rank, per_expert, mask)

@@ -13,6 +13,11 @@ sender and receiver (a one-block wait, then the sums on every SM). ``num_sms`` s
 kernels that write into other members' workspaces; the receivers' local passes wait on nobody and take
 the whole GPU, like the torch ops they replace.
 
+Every kernel is bound once per state (``lck_runtime.jit.Kernel.bind``, with the kinds of its C signature,
+:data:`lck_ep.codegen.NATIVE_KINDS`) and launched with a flat list of ints: tensors as ``data_ptr()``, the
+state's constant buffers as addresses read once, absent tensors as 0. A per-call ``Kernel.launch`` (typed
+wrappers, per-argument checks) had cost a dispatch more host time than its GPU time at small sizes.
+
 Waits are bounded: a member that does not arrive within the Buffer's ``timeout_s`` leaves a diagnostic
 instead of a hang; every later call on the context raises it (:class:`NativeTimeoutError`), and
 :meth:`NativeEp.check` raises it after a synchronisation.
@@ -26,15 +31,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lck_ep.codegen import NATIVE_KERNELS, native_spec
+from lck_ep.codegen import NATIVE_KERNELS, NATIVE_KINDS, native_spec
 from lck_ep.knobs import EpKnobs, read_knobs
-from lck_runtime.jit import I32, I64, U64, Jit, Ptr  # typed launch arguments, imported once (hot path)
+from lck_runtime.jit import Jit
 
 __all__ = [
     "DEFAULT_NUM_SMS",
     "NATIVE_DTYPES",
     "NativeEp",
     "NativeTimeoutError",
+    "bind_kernels",
     "build_native_kernels",
     "compile_native_kernels",
     "native_problem",
@@ -49,6 +55,19 @@ _COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _THREADS = 512
 _MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
 _REDUCE_BLOCKS = 1024  # reduce_expanded: one warp per received row, grid-strided past this many blocks
+# ep_dispatch_recv's optional outputs, in parameter order (0 where a call has none).
+_RECV_OUTPUTS = (
+    "recv_src_idx",
+    "recv_topk_idx",
+    "recv_topk_weights",
+    "recv_src_rank",
+    "recv_counts",
+    "recv_starts",
+    "slot_pos",
+    "num_recv",
+    "per_expert",
+    "kept_per_expert",
+)
 _PHASES = {
     1: "dispatch, waiting for a destination to finish reading the previous operation",
     2: "dispatch, waiting for a source's rows",
@@ -153,6 +172,19 @@ def load_kernels(
     return kernels
 
 
+def bind_kernels(
+    kernels: dict[str, Any], kinds: dict[str, tuple[type, ...]], device_index: int
+) -> dict[str, Any]:
+    """Each of ``kernels`` (loaded) bound to ``device_index``, :data:`_THREADS` threads and its ``kinds``
+    (``lck_runtime.jit.Kernel.bind``: every check of a launch made once, here)."""
+    return {name: k.bind(kinds[name], block=_THREADS, device=device_index) for name, k in kernels.items()}
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    """A kernel's pointer argument: the tensor's address, or 0 (nullptr) for none."""
+    return 0 if t is None else t.data_ptr()
+
+
 class OutgoingRows(NamedTuple):
     """What one dispatch or replay sends: the rows, where each goes, and their routing (None on a replay)."""
 
@@ -195,7 +227,20 @@ class NativeEp:
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
         self._status_word = self.status_host.numpy()  # the same memory, read without a torch call
         self.kernels = build_native_kernels(device.index)
+        self.launchers = bind_kernels(self.kernels, NATIVE_KINDS, device.index)
         self.device_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._cache_addresses()
+
+    def _cache_addresses(self) -> None:
+        """The addresses of the state's own buffers, read once: they live as long as the state, and every
+        launch passes some of them. ``_done[i]``: grid ticket ``i`` (``done[i:i+1]``, without a view)."""
+        self._ws = self.workspace.data_ptr()
+        self._sig = self.signals.data_ptr()
+        self._peer_ws = self.peer_ws.data_ptr()
+        self._peer_sig = self.peer_sig.data_ptr()
+        self._status = self.status.data_ptr()
+        step = self.done.element_size()
+        self._done = tuple(self.done.data_ptr() + i * step for i in range(self.done.numel()))
 
     # One state per context and class: a subclass (the hybrid backend) keeps its own registry.
     _states: dict[int, NativeEp] = _STATES
@@ -245,7 +290,7 @@ class NativeEp:
         t, w = mask.shape
         slot = torch.empty(t, w, dtype=torch.int64, device=mask.device)
         if t:
-            self.kernels["ep_send_slots"].launch(w, _THREADS, [mask, I32(t), I32(w), slot])
+            self.launchers["ep_send_slots"](w, [mask.data_ptr(), t, w, slot.data_ptr()])
         return slot
 
     def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
@@ -254,30 +299,30 @@ class NativeEp:
         x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
         lay = self.layout
         k = topk_idx.shape[1] if topk_idx is not None else 0
-        self.kernels["ep_dispatch_send"].launch(
+        x_bytes = x.shape[1] * x.element_size()
+        self.launchers["ep_dispatch_send"](
             num_sms,
-            _THREADS,
             [
-                x,
-                I64(x.shape[1] * x.element_size()),
-                topk_idx if topk_idx is not None else Ptr(0),
-                topk_weights if topk_weights is not None else Ptr(0),
-                mask,
-                send_slot,
-                rows_to,
-                self.peer_ws,
-                self.peer_sig,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
-                I64(meta_offset(x.shape[1] * x.element_size())),
-                I32(x.shape[0]),
-                I32(k),
-                I32(self.size),
-                I32(self.me),
-                I32(num_local_experts),
-                self.done[0:1],
-                self.status,
-                U64(timeout_ns),
+                x.data_ptr(),
+                x_bytes,
+                _addr(topk_idx),
+                _addr(topk_weights),
+                mask.data_ptr(),
+                send_slot.data_ptr(),
+                rows_to.data_ptr(),
+                self._peer_ws,
+                self._peer_sig,
+                lay.region_bytes,
+                lay.row_stride,
+                meta_offset(x_bytes),
+                x.shape[0],
+                k,
+                self.size,
+                self.me,
+                num_local_experts,
+                self._done[0],
+                self._status,
+                timeout_ns,
             ],
         )
 
@@ -297,44 +342,25 @@ class NativeEp:
         """Wait for every source's rows and lay out their routing and counts into ``out`` (``rows`` output
         rows); the rows stay in the workspace until :meth:`copy_rows`, which releases it."""
         lay = self.layout
-
-        def opt(name: str) -> Any:
-            t = out.get(name)
-            return Ptr(0) if t is None else t
-
+        head = [
+            self._ws,
+            self._sig,
+            lay.region_bytes,
+            lay.row_stride,
+            meta_offset(row_bytes),
+            cap,
+            rows,
+            self.size,
+            self.me,
+            num_topk,
+            1 if has_meta else 0,
+            num_local_experts,
+            *[_addr(out.get(name)) for name in _RECV_OUTPUTS],
+        ]
+        launch = self.launchers["ep_dispatch_recv"]
         # Stage 0 waits (one block spins), stage 1 lays out on every SM: see dispatch.cuh.
-        for stage, blocks in ((0, 1), (1, max(num_sms, self.device_sms))):
-            self.kernels["ep_dispatch_recv"].launch(
-                blocks,
-                _THREADS,
-                [
-                    self.workspace,
-                    self.signals,
-                    I64(lay.region_bytes),
-                    I64(lay.row_stride),
-                    I64(meta_offset(row_bytes)),
-                    I64(cap),
-                    I64(rows),
-                    I32(self.size),
-                    I32(self.me),
-                    I32(num_topk),
-                    I32(1 if has_meta else 0),
-                    I32(num_local_experts),
-                    opt("recv_src_idx"),
-                    opt("recv_topk_idx"),
-                    opt("recv_topk_weights"),
-                    opt("recv_src_rank"),
-                    opt("recv_counts"),
-                    opt("recv_starts"),
-                    opt("slot_pos"),
-                    opt("num_recv"),
-                    opt("per_expert"),
-                    opt("kept_per_expert"),
-                    I32(stage),
-                    self.status,
-                    U64(timeout_ns),
-                ],
-            )
+        launch(1, [*head, 0, self._status, timeout_ns])
+        launch(max(num_sms, self.device_sms), [*head, 1, self._status, timeout_ns])
 
     def expand_maps(
         self,
@@ -350,22 +376,21 @@ class NativeEp:
         int32 from :meth:`receive`) into ``offsets`` [L + 1], ``src_row`` / ``slot`` [M], ``index``
         [N, K]: :func:`lck_ep.expanded.build_expanded`'s result."""
         big_l = kept_counts.shape[0]
-        self.kernels["ep_expand_maps"].launch(
+        self.launchers["ep_expand_maps"](
             min(big_l, _MAPS_BLOCKS),
-            _THREADS,
             [
-                recv_topk_idx,
-                kept_counts,
-                I64(recv_topk_idx.numel()),
-                I64(src_row.shape[0]),
-                I32(recv_topk_idx.shape[1]),
-                I32(big_l),
-                I32(alignment),
-                offsets,
-                src_row,
-                slot,
-                index,
-                self.status,
+                recv_topk_idx.data_ptr(),
+                kept_counts.data_ptr(),
+                recv_topk_idx.numel(),
+                src_row.shape[0],
+                recv_topk_idx.shape[1],
+                big_l,
+                alignment,
+                offsets.data_ptr(),
+                src_row.data_ptr(),
+                slot.data_ptr(),
+                index.data_ptr(),
+                self._status,
             ],
         )
 
@@ -388,26 +413,25 @@ class NativeEp:
         ``num_sms`` is for the kernels that spin on other members), like a torch copy of the same rows."""
         lay = self.layout
         x_bytes = x.shape[1] * x.element_size()
-        self.kernels["ep_dispatch_rows"].launch(
+        self.launchers["ep_dispatch_rows"](
             max(num_sms, self.device_sms),
-            _THREADS,
             [
-                x,
-                self.workspace,
-                self.signals,
-                I64(lay.region_bytes),
-                I64(lay.row_stride),
-                I64(meta_offset(x_bytes)),
-                I64(x_bytes),
-                recv_starts,
-                Ptr(0) if src_row is None else src_row,
-                Ptr(0) if rows_end is None else rows_end,
-                I64(out.shape[0]),
-                I32(self.size),
-                I32(self.me),
-                out,
-                self.done[1:2],
-                self.status,
+                x.data_ptr(),
+                self._ws,
+                self._sig,
+                lay.region_bytes,
+                lay.row_stride,
+                meta_offset(x_bytes),
+                x_bytes,
+                recv_starts.data_ptr(),
+                _addr(src_row),
+                _addr(rows_end),
+                out.shape[0],
+                self.size,
+                self.me,
+                out.data_ptr(),
+                self._done[1],
+                self._status,
             ],
         )
         self._mirror()
@@ -425,51 +449,42 @@ class NativeEp:
         below ``rows_used[0]`` (a sync-free handle's received count, on the device) when given: the rows
         after it are capacity padding that the combine does not read."""
         n = partial.shape[0]
-        self.kernels["ep_reduce_expanded"].launch(
+        self.launchers["ep_reduce_expanded"](
             max(1, min((n + _THREADS // 32 - 1) // (_THREADS // 32), _REDUCE_BLOCKS)),
-            _THREADS,
             [
-                x,
-                index,
-                weights if weights is not None else Ptr(0),
-                partial,
-                I64(n),
-                Ptr(0) if rows_used is None else rows_used,
-                I32(index.shape[1]),
-                I32(partial.shape[1]),
-                I32(_COMBINE_CODES[partial.dtype]),
+                x.data_ptr(),
+                index.data_ptr(),
+                _addr(weights),
+                partial.data_ptr(),
+                n,
+                _addr(rows_used),
+                index.shape[1],
+                partial.shape[1],
+                _COMBINE_CODES[partial.dtype],
             ],
         )
 
-    def partials_args(self, sent: OutgoingPartials) -> list:
-        """The leading launch arguments of every combine-send kernel (this one and the hybrid pair's): the
+    def partials_args(self, sent: OutgoingPartials) -> list[int]:
+        """The leading launch values of every combine-send kernel (this one and the hybrid pair's): the
         partial rows, where each source's rows start, and the peers' regions."""
         partial, recv_counts, recv_starts = sent
         lay = self.layout
         return [
-            partial,
-            I64(partial.shape[1] * partial.element_size()),
-            I64(partial.shape[0]),
-            recv_counts,
-            recv_starts,
-            self.peer_ws,
-            self.peer_sig,
-            I64(lay.region_bytes),
-            I64(lay.row_stride),
+            partial.data_ptr(),
+            partial.shape[1] * partial.element_size(),
+            partial.shape[0],
+            recv_counts.data_ptr(),
+            recv_starts.data_ptr(),
+            self._peer_ws,
+            self._peer_sig,
+            lay.region_bytes,
+            lay.row_stride,
         ]
 
     def send_partials(self, sent: OutgoingPartials, num_sms: int, timeout_ns: int) -> None:
-        self.kernels["ep_combine_send"].launch(
+        self.launchers["ep_combine_send"](
             num_sms,
-            _THREADS,
-            [
-                *self.partials_args(sent),
-                I32(self.size),
-                I32(self.me),
-                self.done[2:3],
-                self.status,
-                U64(timeout_ns),
-            ],
+            [*self.partials_args(sent), self.size, self.me, self._done[2], self._status, timeout_ns],
         )
 
     def reduce_partials(
@@ -484,35 +499,27 @@ class NativeEp:
         timeout_ns: int,
     ) -> None:
         lay = self.layout
-        b0 = bias[0] if len(bias) > 0 else Ptr(0)
-        b1 = bias[1] if len(bias) > 1 else Ptr(0)
+        head = [
+            partial.data_ptr(),
+            partial.shape[0],
+            recv_starts.data_ptr(),
+            self._ws,
+            self._sig,
+            lay.region_bytes,
+            lay.row_stride,
+            mask.data_ptr(),
+            send_slot.data_ptr(),
+            bias[0].data_ptr() if len(bias) > 0 else 0,
+            bias[1].data_ptr() if len(bias) > 1 else 0,
+            out.data_ptr(),
+            out.shape[0],
+            out.shape[1],
+            self.size,
+            self.me,
+        ]
+        tail = [_COMBINE_CODES[out.dtype], self._done[3], self._status, timeout_ns]
+        launch = self.launchers["ep_combine_recv"]
         # Stage 0 waits (one block spins), stage 1 sums on every SM: see combine.cuh.
-        for stage, blocks in ((0, 1), (1, max(num_sms, self.device_sms))):
-            self.kernels["ep_combine_recv"].launch(
-                blocks,
-                _THREADS,
-                [
-                    partial,
-                    I64(partial.shape[0]),
-                    recv_starts,
-                    self.workspace,
-                    self.signals,
-                    I64(lay.region_bytes),
-                    I64(lay.row_stride),
-                    mask,
-                    send_slot,
-                    b0,
-                    b1,
-                    out,
-                    I32(out.shape[0]),
-                    I32(out.shape[1]),
-                    I32(self.size),
-                    I32(self.me),
-                    I32(stage),
-                    I32(_COMBINE_CODES[out.dtype]),
-                    self.done[3:4],
-                    self.status,
-                    U64(timeout_ns),
-                ],
-            )
+        launch(1, [*head, 0, *tail])
+        launch(max(num_sms, self.device_sms), [*head, 1, *tail])
         self._mirror()

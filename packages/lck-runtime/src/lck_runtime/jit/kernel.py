@@ -2,22 +2,24 @@
 
 :meth:`lck_runtime.jit.Jit.build` makes these; launching goes through the JIT's pybind11 host module
 (:mod:`lck_runtime.jit.host`), which :class:`Kernel` obtains from its ``Jit`` on first load.
+:meth:`Kernel.launch` checks everything on every call; :meth:`Kernel.bind` checks once and returns a
+:class:`BoundLaunch` whose calls only pass a grid and the argument values on (for hot paths).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from lck_runtime.jit.args import KIND_F32, KIND_I32, KIND_I64, KIND_PTR, KIND_U64, pack_args
+from lck_runtime.jit.args import KIND_F32, KIND_I32, KIND_I64, KIND_PTR, KIND_U64, _Arg, pack_args
 from lck_runtime.jit.cache import Entry
 from lck_runtime.jit.compiler import CAPABILITY_ARCH
 from lck_runtime.jit.errors import JitConfigError, JitError
 from lck_runtime.jit.host import HostModule, call
 
-__all__ = ["BuildPlan", "Kernel"]
+__all__ = ["BoundLaunch", "BuildPlan", "Kernel"]
 
 _KIND_BYTES = {KIND_I32: 4, KIND_F32: 4, KIND_I64: 8, KIND_U64: 8, KIND_PTR: 8}
 _KIND_NAMES = {KIND_I32: "I32", KIND_F32: "F32", KIND_I64: "I64", KIND_U64: "U64", KIND_PTR: "Ptr/tensor"}
@@ -28,6 +30,8 @@ _ATTR_LOCAL_SIZE = 3
 _ATTR_NUM_REGS = 4
 _ATTR_MAX_DYNAMIC_SHARED = 8
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs an explicit opt-in
+_MAX_GRID = (2**31 - 1, 65535, 65535)
+_NO_CLUSTER = (0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +61,39 @@ _modules: dict[tuple[str, int], int] = {}
 _modules_lock = threading.Lock()
 
 
-def _dims(value: Any, what: str) -> tuple[int, int, int]:
+def _dims(value: Any, what: str, where: str = "launch") -> tuple[int, int, int]:
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(items, (tuple, list)) or not 1 <= len(items) <= 3:
-        raise TypeError(f"launch: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+        raise TypeError(f"{where}: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in items):
-        raise ValueError(f"launch: {what} entries must be positive ints, got {value!r}")
+        raise ValueError(f"{where}: {what} entries must be positive ints, got {value!r}")
     x, y, z = (*items, 1, 1)[:3]
     return x, y, z
 
 
+def _grid(value: Any, where: str = "launch") -> tuple[int, int, int]:
+    g = _dims(value, "grid", where)
+    if g[0] > _MAX_GRID[0] or g[1] > _MAX_GRID[1] or g[2] > _MAX_GRID[2]:
+        raise ValueError(f"{where}: grid {g} exceeds (2**31-1, 65535, 65535)")
+    return g
+
+
+def _block(value: Any, where: str = "launch") -> tuple[int, int, int]:
+    b = _dims(value, "block", where)
+    if b[0] * b[1] * b[2] > 1024 or b[2] > 64:
+        raise ValueError(f"{where}: block {b} exceeds 1024 threads (or 64 in z)")
+    return b
+
+
+def _check_shared_mem(shared_mem: Any, where: str = "launch") -> None:
+    if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
+        raise ValueError(f"{where}: shared_mem must be a non-negative int (bytes), got {shared_mem!r}")
+
+
 class Kernel:
     """One compiled kernel: ``key``, ``cubin_path``, ``command`` (the nvcc argv that built it),
-    ``from_cache`` (True when nvcc did not run for this build), ``arch``; :meth:`launch` runs it."""
+    ``from_cache`` (True when nvcc did not run for this build), ``arch``; :meth:`launch` runs it, :meth:`bind`
+    prepares a :class:`BoundLaunch` that runs it with the least host work."""
 
     def __init__(self, jit: HostSource, plan: BuildPlan, entry: Entry):
         self._jit = jit
@@ -175,13 +199,10 @@ class Kernel:
         import torch
 
         g = _dims(grid, "grid")
-        b = _dims(block, "block")
-        if b[0] * b[1] * b[2] > 1024 or b[2] > 64:
-            raise ValueError(f"launch: block {b} exceeds 1024 threads (or 64 in z)")
-        if g[0] > 2**31 - 1 or g[1] > 65535 or g[2] > 65535:
+        b = _block(block)
+        if g[0] > _MAX_GRID[0] or g[1] > _MAX_GRID[1] or g[2] > _MAX_GRID[2]:
             raise ValueError(f"launch: grid {g} exceeds (2**31-1, 65535, 65535)")
-        if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
-            raise ValueError(f"launch: shared_mem must be a non-negative int (bytes), got {shared_mem!r}")
+        _check_shared_mem(shared_mem)
         if not isinstance(cooperative, bool):
             raise TypeError(f"launch: cooperative must be a bool, got {cooperative!r}")
         c = (0, 0, 0)
@@ -207,20 +228,67 @@ class Kernel:
                 f"launch: stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
         func, sizes = self._load(dev)
-        if sizes is not None:
-            if len(sizes) != len(kinds):
-                raise ValueError(
-                    f"{self.name}.launch: {self.kernel} takes {len(sizes)} parameters (byte sizes {sizes}) but "
-                    f"{len(kinds)} args were given"
-                )
-            for i, (k, s) in enumerate(zip(kinds, sizes)):
-                if _KIND_BYTES[k] != s:
-                    raise TypeError(
-                        f"{self.name}.launch: args[{i}] is {_KIND_NAMES[k]} ({_KIND_BYTES[k]} bytes) but parameter "
-                        f"{i} of {self.kernel} is {s} bytes"
-                    )
+        self._check_param_sizes(kinds, sizes, "launch", "args")
         self._opt_in_shared(dev, func, shared_mem)
         call(self._host, "launch", dev, func, g, b, shared_mem, handle, kinds, values, cooperative, c)
+
+    def _check_param_sizes(
+        self, kinds: Sequence[int], sizes: list[int] | None, where: str, what: str
+    ) -> None:
+        """The kinds' byte sizes against the parameters' as the driver reports them (drivers >= 12.4)."""
+        if sizes is None:
+            return
+        if len(sizes) != len(kinds):
+            raise ValueError(
+                f"{self.name}.{where}: {self.kernel} takes {len(sizes)} parameters (byte sizes {sizes}) but "
+                f"{len(kinds)} {what} were given"
+            )
+        for i, (k, s) in enumerate(zip(kinds, sizes)):
+            if _KIND_BYTES[k] != s:
+                raise TypeError(
+                    f"{self.name}.{where}: {what}[{i}] is {_KIND_NAMES[k]} ({_KIND_BYTES[k]} bytes) but parameter "
+                    f"{i} of {self.kernel} is {s} bytes"
+                )
+
+    def bind(
+        self,
+        kinds: Sequence[type[_Arg]],
+        *,
+        block: int | tuple[int, ...],
+        shared_mem: int = 0,
+        device: int | None = None,
+    ) -> BoundLaunch:
+        """This kernel with its argument kinds, block size and dynamic shared memory fixed, on ``device``
+        (default: the current one): a :class:`BoundLaunch` whose call takes only a grid and the values.
+
+        :meth:`launch` validates the launch and wraps, checks and packs every argument on each call, which
+        costs a launch-heavy op (several kernels per call) more host time than the GPU spends. Binding does
+        all of that once: ``kinds`` is the argument classes in parameter order (``[Ptr, I32, I64, ...]``;
+        ``Ptr`` for a tensor, whose ``data_ptr()`` is then passed), checked like :meth:`launch`'s args
+        against the kernel's parameter byte sizes (drivers >= 12.4); ``block`` and ``shared_mem`` as in
+        :meth:`launch` (above 48 KiB the kernel is opted in here). Loads the kernel onto the device (so
+        call it before CUDA-graph capture) and checks its architecture. The bound launch always targets
+        ``device``, whatever device is current when it is called. Cooperative and cluster launches are not
+        supported by the bound path: use :meth:`launch` for them.
+        """
+        where = f"{self.name}.bind"
+        if isinstance(kinds, (str, bytes)) or not isinstance(kinds, Sequence):
+            raise TypeError(f"{where}: kinds must be a list or tuple of I32/I64/U64/F32/Ptr, got {kinds!r}")
+        codes = []
+        for i, k in enumerate(kinds):
+            if not (isinstance(k, type) and issubclass(k, _Arg) and k is not _Arg):
+                raise TypeError(
+                    f"{where}: kinds[{i}] is {k!r}; expected one of the argument classes I32, I64, U64, F32, Ptr"
+                )
+            codes.append(k.kind)
+        b = _block(block, where)
+        _check_shared_mem(shared_mem, where)
+        dev = self._device(device)
+        func, sizes = self._load(dev)
+        self._check_param_sizes(codes, sizes, "bind", "kinds")
+        self._opt_in_shared(dev, func, shared_mem)
+        assert self._host is not None
+        return BoundLaunch(self, dev, func, self._host, tuple(codes), b, shared_mem)
 
     def _opt_in_shared(self, dev: int, func: int, shared_mem: int) -> None:
         if shared_mem > _DEFAULT_SHARED_LIMIT and shared_mem > self._smem_optin.get(dev, 0):
@@ -249,3 +317,105 @@ class Kernel:
         self._opt_in_shared(dev, func, shared_mem)
         n = call(self._host, "max_active_clusters", dev, func, b, shared_mem, c)
         return None if n < 0 else int(n)
+
+
+def _current_stream_getter() -> Callable[[int], int]:
+    """``device index -> raw handle of torch's current stream there``, the cheapest way torch offers."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a private, stable since torch 1.13
+    if raw is not None:
+        return raw
+    return lambda dev: torch.cuda.current_stream(dev).cuda_stream
+
+
+class BoundLaunch:
+    """A :class:`Kernel` bound by :meth:`Kernel.bind` to a device, block size, dynamic shared memory and
+    argument kinds. ``bound(grid, values, stream=None)`` launches it; see :meth:`__call__`."""
+
+    __slots__ = ("_func", "_host", "_n", "_stream_of", "block", "device", "kernel", "kinds", "shared_mem")
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        device: int,
+        func: int,
+        host: HostModule,
+        kinds: tuple[int, ...],
+        block: tuple[int, int, int],
+        shared_mem: int,
+    ) -> None:
+        self.kernel = kernel
+        self.device = device
+        self.kinds = kinds  # kind codes (lck_runtime.jit.args.KIND_*), in parameter order
+        self.block = block
+        self.shared_mem = shared_mem
+        self._func = func
+        self._host = host
+        self._n = len(kinds)
+        self._stream_of = _current_stream_getter()
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(_KIND_NAMES[k].split("/")[0] for k in self.kinds)
+        return (
+            f"BoundLaunch({self.kernel.name!r}, device={self.device}, block={self.block}, "
+            f"shared_mem={self.shared_mem}, kinds=({kinds}))"
+        )
+
+    def __call__(
+        self, grid: int | tuple[int, ...], values: Sequence[int | float], stream: Any = None
+    ) -> None:
+        """Launch on the bound device, asynchronously on ``stream`` (default: torch's current stream of that
+        device), with ``grid`` blocks (an int or 1 to 3 positive ints).
+
+        ``values``: one plain int or float per bound kind, in parameter order: a tensor as its
+        ``data_ptr()``, a null pointer as 0. Only their count is checked here; the host module refuses a
+        value that does not fit its kind (a float for an int, an int out of range) with a ``TypeError``
+        or ``RuntimeError`` from pybind11. Driver failures raise :class:`CudaError`.
+        """
+        if type(grid) is int and 0 < grid <= _MAX_GRID[0]:  # the common case (bool is not int here)
+            g = (grid, 1, 1)
+        else:
+            g = _grid(grid, self.kernel.name)
+        try:
+            n = len(values)
+        except TypeError:
+            raise TypeError(
+                f"{self.kernel.name}: values must be a list or tuple of ints/floats, got {type(values).__name__}"
+            ) from None
+        if n != self._n:
+            raise ValueError(
+                f"{self.kernel.name}: {self.kernel.kernel} was bound with {self._n} argument kinds but {n} "
+                "values were given"
+            )
+        if stream is None:
+            handle = self._stream_of(self.device)
+        else:
+            handle = self._stream_handle(stream)
+        call(
+            self._host,
+            "launch",
+            self.device,
+            self._func,
+            g,
+            self.block,
+            self.shared_mem,
+            handle,
+            self.kinds,
+            values,
+            False,
+            _NO_CLUSTER,
+        )
+
+    def _stream_handle(self, stream: Any) -> int:
+        import torch
+
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"{self.kernel.name}: stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        if stream.device.index != self.device:
+            raise ValueError(
+                f"{self.kernel.name}: stream is on {stream.device} but the launch is bound to cuda:{self.device}"
+            )
+        return stream.cuda_stream
