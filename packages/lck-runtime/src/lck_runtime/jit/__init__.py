@@ -19,7 +19,7 @@ from lck_runtime.jit.engine import Jit
 from lck_runtime.jit.errors import CudaError, JitConfigError, JitError
 from lck_runtime.jit.flags import JitSettings
 from lck_runtime.jit.host import HostModule
-from lck_runtime.jit.kernel import Kernel
+from lck_runtime.jit.kernel import BoundLaunch, Kernel
 
 __all__ = [
     "CAPABILITY_ARCH",
@@ -28,6 +28,7 @@ __all__ = [
     "I64",
     "SUPPORTED_ARCHS",
     "U64",
+    "BoundLaunch",
     "CudaError",
     "HostModule",
     "Jit",
