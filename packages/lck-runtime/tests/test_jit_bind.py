@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kernels import TYPED
 
 import lck_runtime.jit.kernel as kernel_module
 from lck_runtime.jit import F32, I32, I64, U64, Kernel, Ptr
@@ -186,20 +187,6 @@ def test_bind_checks_block_and_shared_memory(monkeypatch: pytest.MonkeyPatch) ->
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-TYPED = r"""
-extern "C" __global__ void typed_args(float* out, long long* scalars, int a, long long b,
-                                      unsigned long long c, float d, const float* x, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i == 0) {
-    scalars[0] = a;
-    scalars[1] = b;
-    scalars[2] = (long long)c;
-    scalars[3] = (long long)(c >> 32);
-    scalars[4] = n;
-  }
-  if (i < n) out[i] = x[i] * d;
-}
-"""
 _TYPED_KINDS = [Ptr, Ptr, I32, I64, U64, F32, Ptr, I32]
 
 

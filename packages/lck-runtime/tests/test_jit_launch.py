@@ -5,25 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernels import TYPED
 
 from lck_runtime.jit import F32, I32, I64, U64, CudaError, Jit, JitConfigError, Ptr, detect_arch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
-
-TYPED = r"""
-extern "C" __global__ void typed_args(float* out, long long* scalars, int a, long long b,
-                                      unsigned long long c, float d, const float* x, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i == 0) {
-    scalars[0] = a;
-    scalars[1] = b;
-    scalars[2] = (long long)c;
-    scalars[3] = (long long)(c >> 32);
-    scalars[4] = n;
-  }
-  if (i < n) out[i] = x[i] * d;
-}
-"""
 
 COOPERATIVE = r"""
 #include <cooperative_groups.h>

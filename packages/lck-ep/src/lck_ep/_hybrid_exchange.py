@@ -36,7 +36,7 @@ from lck_ep.native import (
     NativeTimeoutError,
     OutgoingPartials,
     OutgoingRows,
-    _addr,
+    _rows_head,
     bind_kernels,
     meta_offset,
 )
@@ -208,7 +208,7 @@ class HybridEp(NativeEp):
 
     # -- the two sending launches ---------------------------------------------------------------------
     def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
-        x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
+        x, mask, rows_to, topk_idx = rows.x, rows.mask, rows.rows_to, rows.topk_idx
         plan = self.plan(num_sms)
         lay = self.layout
         nh, g = self.num_hosts, self.g
@@ -221,12 +221,7 @@ class HybridEp(NativeEp):
         self.hybrid_launchers["dispatch"](
             plan.channels,
             [
-                x.data_ptr(),
-                x_bytes,
-                _addr(topk_idx),
-                _addr(topk_weights),
-                mask.data_ptr(),
-                send_slot.data_ptr(),
+                *_rows_head(rows, x_bytes),
                 excl.data_ptr(),
                 host_tokens.data_ptr(),
                 host_rows.data_ptr(),

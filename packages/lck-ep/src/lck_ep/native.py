@@ -185,6 +185,19 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _rows_head(rows: OutgoingRows, x_bytes: int) -> list[int]:
+    """The arguments both dispatch senders (scale-up and hybrid) start with, in their order: the rows, their
+    byte length, the routing (0 on a replay), the token-to-rank mask and the send slots."""
+    return [
+        rows.x.data_ptr(),
+        x_bytes,
+        _addr(rows.topk_idx),
+        _addr(rows.topk_weights),
+        rows.mask.data_ptr(),
+        rows.send_slot.data_ptr(),
+    ]
+
+
 class OutgoingRows(NamedTuple):
     """What one dispatch or replay sends: the rows, where each goes, and their routing (None on a replay)."""
 
@@ -296,19 +309,14 @@ class NativeEp:
     def send_rows(self, rows: OutgoingRows, num_local_experts: int, num_sms: int, timeout_ns: int) -> None:
         """Store the rows (bytes; :func:`row_fits` checked by the caller) into the destinations' regions,
         their routing at :func:`meta_offset` of the row's bytes."""
-        x, mask, send_slot, rows_to, topk_idx, topk_weights = rows
+        x, rows_to, topk_idx = rows.x, rows.rows_to, rows.topk_idx
         lay = self.layout
         k = topk_idx.shape[1] if topk_idx is not None else 0
         x_bytes = x.shape[1] * x.element_size()
         self.launchers["ep_dispatch_send"](
             num_sms,
             [
-                x.data_ptr(),
-                x_bytes,
-                _addr(topk_idx),
-                _addr(topk_weights),
-                mask.data_ptr(),
-                send_slot.data_ptr(),
+                *_rows_head(rows, x_bytes),
                 rows_to.data_ptr(),
                 self._peer_ws,
                 self._peer_sig,
