@@ -36,9 +36,9 @@ from lck_ep.native import (
     NativeTimeoutError,
     OutgoingPartials,
     OutgoingRows,
-    _rows_head,
     bind_kernels,
     meta_offset,
+    rows_head,
 )
 
 __all__ = ["HybridEp", "host_streams"]
@@ -221,7 +221,7 @@ class HybridEp(NativeEp):
         self.hybrid_launchers["dispatch"](
             plan.channels,
             [
-                *_rows_head(rows, x_bytes),
+                *rows_head(rows, x_bytes),
                 excl.data_ptr(),
                 host_tokens.data_ptr(),
                 host_rows.data_ptr(),

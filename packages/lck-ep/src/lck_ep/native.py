@@ -45,6 +45,7 @@ __all__ = [
     "compile_native_kernels",
     "native_problem",
     "row_layout",
+    "rows_head",
 ]
 
 DEFAULT_NUM_SMS = 24  # channels (blocks) of the sending kernels unless the Buffer is given num_sms
@@ -185,7 +186,7 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _rows_head(rows: OutgoingRows, x_bytes: int) -> list[int]:
+def rows_head(rows: OutgoingRows, x_bytes: int) -> list[int]:
     """The arguments both dispatch senders (scale-up and hybrid) start with, in their order: the rows, their
     byte length, the routing (0 on a replay), the token-to-rank mask and the send slots."""
     return [
@@ -316,7 +317,7 @@ class NativeEp:
         self.launchers["ep_dispatch_send"](
             num_sms,
             [
-                *_rows_head(rows, x_bytes),
+                *rows_head(rows, x_bytes),
                 rows_to.data_ptr(),
                 self._peer_ws,
                 self._peer_sig,
