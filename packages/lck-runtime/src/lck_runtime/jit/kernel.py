@@ -198,10 +198,8 @@ class Kernel:
         """
         import torch
 
-        g = _dims(grid, "grid")
+        g = _grid(grid)
         b = _block(block)
-        if g[0] > _MAX_GRID[0] or g[1] > _MAX_GRID[1] or g[2] > _MAX_GRID[2]:
-            raise ValueError(f"launch: grid {g} exceeds (2**31-1, 65535, 65535)")
         _check_shared_mem(shared_mem)
         if not isinstance(cooperative, bool):
             raise TypeError(f"launch: cooperative must be a bool, got {cooperative!r}")
