@@ -145,6 +145,67 @@ def test_native_send_partials_arguments() -> None:
     ])  # fmt: skip
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float16, 1), (torch.float32, 2)])
+def test_native_send_expanded_partials_arguments(weighted: bool, dtype: torch.dtype, code: int) -> None:
+    ep = _state(NativeEp)
+    x, index = torch.randn(30, 16).to(dtype), torch.zeros(6, 3, dtype=torch.int64)
+    sent = OutgoingPartials(torch.zeros(6, 16, dtype=dtype), torch.arange(4), torch.arange(4) * 2)
+    weights = torch.rand(6, 3) if weighted else None
+    ep.send_expanded_partials(x, index, weights, sent, 5, 11)
+    assert_launch(ep.launchers["ep_combine_send_expanded"], 0, 5, [
+        sent.partial, I64(16 * sent.partial.element_size()), I64(6), sent.recv_counts, sent.recv_starts,
+        ep.peer_ws, ep.peer_sig, I64(1 << 20), I64(4608), I32(4), I32(1), ep.done[2:3], ep.status, U64(11), x,
+        index, weights if weighted else Ptr(0), I32(3), I32(16), I32(code),
+    ])  # fmt: skip
+
+
+def _expanded_combine(cls: type, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """An expanded handle's combine through ``_native_exchange.combine`` on a recording state of ``cls``."""
+    import contextlib
+
+    from lck_ep import _native_exchange
+    from lck_ep.checks import CombinePlan
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    ep = _state(cls)
+    if cls is HybridEp:
+        ep.send_partials = lambda sent, num_sms, timeout_ns: ep.sent.append((sent, num_sms, timeout_ns))
+        ep.sent = []
+    ep.raise_if_failed = lambda: None
+    handle = SimpleNamespace(
+        expand=True, recv_expanded_index=torch.zeros(6, 3, dtype=torch.int64), sync_free=True,
+        num_recv_tokens=torch.zeros((), dtype=torch.int64), recv_counts_device=torch.arange(4),
+        recv_starts=torch.arange(5) * 2, num_tokens=5, is_token_in_rank=torch.rand(5, 4) > 0.5,
+        send_slot=torch.zeros(5, 4, dtype=torch.int64),
+    )  # fmt: skip
+    buf = SimpleNamespace(_native=ep, device=torch.device("cpu"), hidden=16, num_sms=7, timeout_ns=9)
+    plan = CombinePlan(torch.randn(30, 16, dtype=torch.bfloat16), handle, torch.rand(6, 3), ())
+    out = _native_exchange.combine(buf, plan)
+    assert out.shape == (5, 16) and out.dtype == torch.bfloat16
+    return ep, plan
+
+
+def test_native_expanded_combine_reduces_in_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep, plan = _expanded_combine(NativeEp, monkeypatch)
+    assert not ep.launchers["ep_reduce_expanded"].calls and not ep.launchers["ep_combine_send"].calls
+    ((grid, values),) = ep.launchers["ep_combine_send_expanded"].calls
+    partial_ptr = values[0]
+    assert grid == 7 and values[14] == plan.x.data_ptr() and values[16] == plan.topk_weights.data_ptr()
+    # the receiver reads this member's own reduced rows from the partial buffer the sender wrote them to
+    assert len(ep.launchers["ep_combine_recv"].calls) == 2
+    assert all(v[0] == partial_ptr for _, v in ep.launchers["ep_combine_recv"].calls)
+
+
+def test_hybrid_expanded_combine_reduces_then_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep, plan = _expanded_combine(HybridEp, monkeypatch)
+    assert not ep.launchers["ep_combine_send_expanded"].calls
+    ((_, values),) = ep.launchers["ep_reduce_expanded"].calls
+    ((sent, num_sms, timeout_ns),) = ep.sent
+    assert values[3] == sent.partial.data_ptr() and (num_sms, timeout_ns) == (7, 9)
+    assert values[5] == plan.handle.num_recv_tokens.data_ptr()  # sync-free: rows past the count are skipped
+
+
 @pytest.mark.parametrize("num_bias", [0, 1, 2])
 @pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float32, 2)])
 def test_native_reduce_partials_arguments(num_bias: int, dtype: torch.dtype, code: int) -> None:

@@ -76,6 +76,7 @@ class HybridEp(NativeEp):
     """The hybrid state of one MoE context (``num_hosts > 1``) on this rank; get it with :meth:`for_context`."""
 
     hybrid = True
+    fuses_expanded_combine = False  # its combine-send kernels take reduced partial rows
     _states = _STATES  # NativeEp.for_context's registry of this class
 
     def __init__(self, ctx: Any, device: torch.device) -> None:

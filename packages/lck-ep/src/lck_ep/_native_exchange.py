@@ -159,8 +159,9 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
 
 
 def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
-    """``combined_x``: expanded rows reduced per received row (a kernel, in the reference's order), then the
-    partials sent home and summed there in the reference order."""
+    """``combined_x``: expanded rows reduced per received row (in the reference's order) and sent home, in one
+    kernel on the native state (a reduction kernel, then the hybrid pair's sender, on the hybrid one), then the
+    partials summed there in the reference order."""
     st: NativeEp = buf._native
     st.raise_if_failed()
     h = plan.handle
@@ -171,12 +172,18 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             assert index is not None
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
-            used = h.num_recv_tokens if h.sync_free else None  # a 0-d int64 device tensor
-            st.reduce_expanded(plan.x.contiguous(), index, w, partial, rows_used=used)
-        partial = partial.contiguous()
-        st.send_partials(
-            OutgoingPartials(partial, h.recv_counts_device, h.recv_starts), buf.num_sms, buf.timeout_ns
-        )
+            sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
+            if st.fuses_expanded_combine:  # reduced into the sources' regions, own rows into partial
+                st.send_expanded_partials(plan.x.contiguous(), index, w, sent, buf.num_sms, buf.timeout_ns)
+            else:
+                used = h.num_recv_tokens if h.sync_free else None  # a 0-d int64 device tensor
+                st.reduce_expanded(plan.x.contiguous(), index, w, partial, rows_used=used)
+                st.send_partials(sent, buf.num_sms, buf.timeout_ns)
+        else:
+            partial = partial.contiguous()
+            st.send_partials(
+                OutgoingPartials(partial, h.recv_counts_device, h.recv_starts), buf.num_sms, buf.timeout_ns
+            )
         out = torch.empty(h.num_tokens, buf.hidden, dtype=partial.dtype, device=buf.device)
         st.reduce_partials(
             partial,

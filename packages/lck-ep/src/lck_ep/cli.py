@@ -25,6 +25,7 @@ KERNEL_ROLES = {
     "ep_expand_maps": "dispatch, expanded maps (expert-major rank of every routed slot)",
     "ep_dispatch_rows": "dispatch, rows out of the workspace (compact or expert-major), then release",
     "ep_reduce_expanded": "combine, expanded rows reduced per received row (weighted, float32)",
+    "ep_combine_send_expanded": "combine of expanded rows, sender (each received row reduced into its source's region)",
 }
 
 

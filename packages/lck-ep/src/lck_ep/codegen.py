@@ -184,6 +184,20 @@ _NATIVE_BODIES = {
         region_bytes, row_stride, num_ranks, me, done, status, timeout_ns};
     lck_ep::combine_send(a);""",
     ),
+    "ep_combine_send_expanded": (
+        "combine.cuh",
+        """uint8_t* partial, long long row_bytes, long long valid_rows, const long long* recv_counts,
+    const long long* recv_starts, const long long* peer_ws, const long long* peer_sig,
+    long long region_bytes, long long row_stride, int num_ranks, int me, unsigned int* done,
+    long long* status, unsigned long long timeout_ns, const void* x, const long long* index,
+    const float* weights, int num_topk, int hidden, int dtype""",
+        """lck_ep::CombineSendArgs s{partial, row_bytes, valid_rows, recv_counts, recv_starts, peer_ws, peer_sig,
+        region_bytes, row_stride, num_ranks, me, done, status, timeout_ns};
+    lck_ep::ReduceExpandedArgs r{x, index, weights, partial, valid_rows, nullptr, num_topk, hidden};
+    if (dtype == 0) lck_ep::combine_send_expanded<__nv_bfloat16>(s, r);
+    else if (dtype == 1) lck_ep::combine_send_expanded<__half>(s, r);
+    else lck_ep::combine_send_expanded<float>(s, r);""",
+    ),
     "ep_combine_recv": (
         "combine.cuh",
         """const uint8_t* partial, long long valid_rows, const long long* recv_starts, const uint8_t* ws,

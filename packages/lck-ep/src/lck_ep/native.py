@@ -8,10 +8,11 @@ of ``MoEConfig.max_tokens`` rows of ``row_stride`` bytes (the size the runtime r
 
 A dispatch is send slots, sender, receiver (a one-block wait, then the routing laid out on every SM),
 for ``expand=True`` the expanded maps, and the row copy out of the workspace (every SM), which releases
-the workspace for the next operation; a combine is, for an expanded handle, the expanded reduction, then
-sender and receiver (a one-block wait, then the sums on every SM). ``num_sms`` sizes the senders, the
-kernels that write into other members' workspaces; the receivers' local passes wait on nobody and take
-the whole GPU, like the torch ops they replace.
+the workspace for the next operation; a combine is sender and receiver (a one-block wait, then the sums on
+every SM), and for an expanded handle the sender reduces each received row's expanded rows itself, straight
+into the source's region. ``num_sms`` sizes the senders, the kernels that write into other members'
+workspaces; the receivers' local passes wait on nobody and take the whole GPU, like the torch ops they
+replace.
 
 Every kernel is bound once per state (``lck_runtime.jit.Kernel.bind``, with the kinds of its C signature,
 :data:`lck_ep.codegen.NATIVE_KINDS`) and launched with a flat list of ints: tensors as ``data_ptr()``, the
@@ -220,6 +221,10 @@ class OutgoingPartials(NamedTuple):
 
 class NativeEp:
     """The native state of one MoE context on this rank; get it with :meth:`for_context`."""
+
+    # An expanded handle's combine reduces and sends its rows in one launch (send_expanded_partials); a state
+    # whose partials go through other senders (the hybrid pair) reduces first and sends the reduced rows.
+    fuses_expanded_combine = True
 
     def __init__(self, ctx: Any, device: torch.device) -> None:
         cfg = ctx.config
@@ -494,6 +499,38 @@ class NativeEp:
         self.launchers["ep_combine_send"](
             num_sms,
             [*self.partials_args(sent), self.size, self.me, self._done[2], self._status, timeout_ns],
+        )
+
+    def send_expanded_partials(
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor | None,
+        sent: OutgoingPartials,
+        num_sms: int,
+        timeout_ns: int,
+    ) -> None:
+        """The combine of an expanded handle's rows in one launch: :meth:`reduce_expanded`'s rows (the same
+        bits) sent as :meth:`send_partials` sends ``sent.partial``'s, each reduced straight into its source's
+        region; only this member's own rows are written to ``sent.partial`` (where :meth:`reduce_partials`
+        reads them). Saves writing every reduced row and reading it back."""
+        partial = sent.partial
+        self.launchers["ep_combine_send_expanded"](
+            num_sms,
+            [
+                *self.partials_args(sent),
+                self.size,
+                self.me,
+                self._done[2],
+                self._status,
+                timeout_ns,
+                x.data_ptr(),
+                index.data_ptr(),
+                _addr(weights),
+                index.shape[1],
+                partial.shape[1],
+                _COMBINE_CODES[partial.dtype],
+            ],
         )
 
     def reduce_partials(

@@ -30,23 +30,27 @@ struct CombineSendArgs {
   unsigned long long timeout_ns;
 };
 
-__device__ inline void combine_send(const CombineSendArgs& a) {
+// combine_send's frame, shared with combine_send_expanded: wait until every member freed this member's region,
+// hand each received row p (source s) to send_row(p, row) with row its place in s's region for this member
+// (nullptr for this member's own rows, which only own_rows includes), then publish the operation.
+template <typename SendRow>
+__device__ inline void send_partial_rows(const CombineSendArgs& a, bool own_rows, SendRow send_row) {
   __shared__ long long starts[kMaxRanks + 1];
   const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
   const unsigned long long op = current_op(peer_sig[a.me], a.me);
   for (int s = threadIdx.x; s <= a.num_ranks; s += blockDim.x) starts[s] = a.recv_starts[s];
   const bool ok = wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseCombineFree, a.timeout_ns);
   if (ok) {
-    const int lane = threadIdx.x & 31;
     const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     const long long total = starts[a.num_ranks];
     for (long long p = warp; p < total; p += warps) {
       const int s = source_of(starts, a.num_ranks, p);
-      if (s == a.me) continue;  // this member's own partials are read in place by combine_recv
-      uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[s]) + a.me * a.region_bytes + (p - starts[s]) * a.row_stride;
-      if (p < a.valid_rows) warp_copy(row, a.partial + p * a.row_bytes, a.row_bytes, lane);
-      else warp_zero(row, a.row_bytes, lane);
+      if (s == a.me) {
+        if (own_rows) send_row(p, static_cast<uint8_t*>(nullptr));
+        continue;
+      }
+      send_row(p, reinterpret_cast<uint8_t*>(a.peer_ws[s]) + a.me * a.region_bytes + (p - starts[s]) * a.row_stride);
     }
   }
   finish_grid(a.done, [&] {
@@ -55,6 +59,15 @@ __device__ inline void combine_send(const CombineSendArgs& a) {
       long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
       lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), op);
     }
+  });
+}
+
+__device__ inline void combine_send(const CombineSendArgs& a) {
+  const int lane = threadIdx.x & 31;
+  // this member's own partials are read in place by combine_recv
+  send_partial_rows(a, false, [&](long long p, uint8_t* row) {
+    if (p < a.valid_rows) warp_copy(row, a.partial + p * a.row_bytes, a.row_bytes, lane);
+    else warp_zero(row, a.row_bytes, lane);
   });
 }
 
@@ -244,9 +257,8 @@ struct ReduceExpandedArgs {
 };
 
 template <typename T, int kVec, int kSpan>
-__device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long long n, int lane) {
+__device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long long n, T* out, int lane) {
   const T* x = static_cast<const T*>(a.x);
-  T* out = static_cast<T*>(a.partial) + n * a.hidden;
   const long long* index = a.index + n * a.num_topk;
   const float* weights = a.weights != nullptr ? a.weights + n * a.num_topk : nullptr;
   for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
@@ -302,23 +314,52 @@ __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long lon
   }
 }
 
+// Row n of reduce_expanded into out: 16-byte lanes where the rows allow them (vec) and out is aligned.
+template <typename T>
+__device__ __forceinline__ void reduce_expanded_to(const ReduceExpandedArgs& a, long long n, T* out, bool vec,
+                                                   int lane) {
+  if constexpr (sizeof(T) == 2) {
+    if (vec && (reinterpret_cast<uintptr_t>(out) % 16) == 0) reduce_expanded_row<T, 8, 2>(a, n, out, lane);
+    else reduce_expanded_row<T, 1, 4>(a, n, out, lane);
+  } else {
+    reduce_expanded_row<T, 1, 4>(a, n, out, lane);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ bool reduce_expanded_vec(const ReduceExpandedArgs& a) {
+  return sizeof(T) == 2 && (a.hidden % 8) == 0 && (reinterpret_cast<uintptr_t>(a.x) % 16) == 0;
+}
+
 template <typename T>
 __device__ inline void reduce_expanded(const ReduceExpandedArgs& a) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
-  const bool vec = sizeof(T) == 2 && (a.hidden % 8) == 0 &&
-                   ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.partial)) % 16) == 0;
+  const bool vec = reduce_expanded_vec<T>(a);
   // A sync-free handle's rows past the received count are capacity padding that combine never reads.
   const long long rows = a.rows_used != nullptr ? min(*a.rows_used, a.num_rows) : a.num_rows;
-  for (long long n = warp; n < rows; n += warps) {
-    if constexpr (sizeof(T) == 2) {
-      if (vec) reduce_expanded_row<T, 8, 2>(a, n, lane);
-      else reduce_expanded_row<T, 1, 4>(a, n, lane);
-    } else {
-      reduce_expanded_row<T, 1, 4>(a, n, lane);
+  for (long long n = warp; n < rows; n += warps)
+    reduce_expanded_to<T>(a, n, static_cast<T*>(a.partial) + n * a.hidden, vec, lane);
+}
+
+// The combine of an expanded handle in one kernel: combine_send whose rows are reduce_expanded's, each reduced
+// straight into its place in the source's region (this member's own rows into r.partial, where combine_recv
+// reads them), so the reduced rows are not written out and read back before they are sent. The same sums and
+// rounding as the two kernels, bit for bit. Received rows a capacity-sized dispatch dropped (p at or past
+// s.valid_rows) go back as zeros.
+template <typename T>
+__device__ inline void combine_send_expanded(const CombineSendArgs& s, const ReduceExpandedArgs& r) {
+  const int lane = threadIdx.x & 31;
+  const bool vec = reduce_expanded_vec<T>(r);
+  send_partial_rows(s, true, [&](long long p, uint8_t* row) {
+    if (p < s.valid_rows) {
+      T* out = row != nullptr ? reinterpret_cast<T*>(row) : static_cast<T*>(r.partial) + p * r.hidden;
+      reduce_expanded_to<T>(r, p, out, vec, lane);
+    } else if (row != nullptr) {
+      warp_zero(row, s.row_bytes, lane);
     }
-  }
+  });
 }
 
 }  // namespace lck_ep
