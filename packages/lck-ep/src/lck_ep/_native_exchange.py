@@ -69,9 +69,10 @@ def dispatch(
         sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
         st.send_rows(sent, big_l, buf.num_sms, buf.timeout_ns)
         out = _receive(buf, rows, True, plan.topk_weights is not None)
-        # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps).
+        # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps); the
+        # receiver's first launch zeroes them.
         hist = (
-            torch.zeros(2 * big_l, dtype=torch.int32, device=dev) if counts is None or plan.expand else None
+            torch.empty(2 * big_l, dtype=torch.int32, device=dev) if counts is None or plan.expand else None
         )
         out["per_expert"] = hist[:big_l] if hist is not None and counts is None else None
         out["kept_per_expert"] = hist[big_l:] if hist is not None and plan.expand else None

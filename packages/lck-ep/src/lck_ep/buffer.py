@@ -58,6 +58,7 @@ from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, agree
 from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispatch, check_tensor
 from lck_ep.events import Event
 from lck_ep.handle import DispatchHandle
+from lck_ep.knobs import current_knobs
 from lck_ep.layout import DispatchLayout, get_dispatch_layout
 from lck_ep.native import DEFAULT_NUM_SMS, NATIVE_DTYPES, row_fits
 
@@ -208,6 +209,9 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.use_kernel_layout = settled.use_kernel_layout
+        # The layout kernel's knobs, read once here (as the native kernels' are) instead of from the
+        # environment on every dispatch (eight variables: about 20 us of host time a call).
+        self._layout_knobs = current_knobs() if self.use_kernel_layout else None
         self.moe_context = settled.moe_context
         self.num_hosts, self.gpus_per_host = settled.num_hosts, settled.gpus_per_host
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -275,7 +279,11 @@ class Buffer:
     def _layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
         # This module's global, looked up per call: a test replaces it to prove that a replay skips it.
         return get_dispatch_layout(
-            topk_idx, self.num_experts, self.num_ranks, use_kernel=self.use_kernel_layout
+            topk_idx,
+            self.num_experts,
+            self.num_ranks,
+            use_kernel=self.use_kernel_layout,
+            knobs=self._layout_knobs,
         )
 
     # ------------------------------------------------------------------ dispatch

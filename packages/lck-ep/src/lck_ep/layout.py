@@ -26,6 +26,7 @@ import torch
 
 from lck_ep import jit
 from lck_ep.codegen import LAYOUT_BLOCK_THREADS
+from lck_ep.knobs import EpKnobs
 
 __all__ = ["DispatchLayout", "check_layout_args", "get_dispatch_layout", "layout_kernel", "layout_reference"]
 
@@ -85,9 +86,16 @@ def layout_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -
 
 
 def get_dispatch_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, *, use_kernel: bool = False
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    *,
+    use_kernel: bool = False,
+    knobs: EpKnobs | None = None,
 ) -> DispatchLayout:
-    """The layout of ``topk_idx``; with ``use_kernel`` (CUDA tensors only) through the JIT kernel.
+    """The layout of ``topk_idx``; with ``use_kernel`` (CUDA tensors only) through the JIT kernel, built under
+    ``knobs`` (default: the ``EP_*`` environment variables, read on every call; a :class:`lck_ep.Buffer` passes
+    those it read when it was made).
 
     Not collective. Raises ``ValueError``/``TypeError`` naming the argument for a bad ``topk_idx``,
     ``num_experts`` or ``num_ranks``, and ``ValueError`` for ``use_kernel`` on a CPU tensor.
@@ -98,7 +106,7 @@ def get_dispatch_layout(
             raise ValueError(
                 f"get_dispatch_layout: use_kernel=True needs a CUDA topk_idx, got device {topk_idx.device}"
             )
-        return layout_kernel(topk_idx, num_experts, num_ranks)
+        return _run_layout_kernel(topk_idx, num_experts, num_ranks, knobs)
     return layout_reference(topk_idx, num_experts, num_ranks)
 
 
@@ -111,8 +119,15 @@ def layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
     check_layout_args(topk_idx, num_experts, num_ranks, where="layout_kernel")
     if topk_idx.device.type != "cuda":
         raise ValueError(f"layout_kernel: topk_idx must be a CUDA tensor, got device {topk_idx.device}")
+    return _run_layout_kernel(topk_idx, num_experts, num_ranks, None)
+
+
+def _run_layout_kernel(topk_idx: Any, num_experts: int, num_ranks: int, knobs: EpKnobs | None) -> Any:
+    # The arguments are checked (check_layout_args, a CUDA tensor); the knobs and the problem are checked here.
     num_tokens, num_topk = topk_idx.shape
-    knobs = jit.check_layout_problem(num_experts=num_experts, num_ranks=num_ranks, num_topk=num_topk)
+    knobs = jit.check_layout_problem(
+        num_experts=num_experts, num_ranks=num_ranks, num_topk=num_topk, knobs=knobs
+    )
     dev = topk_idx.device
     # One zeroed allocation for both counters (one host call fewer): the kernel adds into them.
     counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=dev)

@@ -182,8 +182,8 @@ struct DispatchRecvArgs {
   long long* recv_starts;          // [W + 1] their prefix sums
   long long* slot_pos;             // [W * cap] compacted row of each region row (out_rows: none) or nullptr
   long long* num_recv;             // [1] rows received (may exceed out_rows: the excess is dropped)
-  int* per_expert;                 // [L] zeroed; entries per local expert (dropped rows too), or nullptr
-  int* kept_per_expert;            // [L] zeroed; entries per local expert of the kept rows, or nullptr
+  int* per_expert;                 // [L] entries per local expert (dropped rows too), or nullptr
+  int* kept_per_expert;            // [L] entries per local expert of the kept rows, or nullptr
   int stage;                       // 0: wait for every source (one block); 1: lay out (every SM)
   long long* status;
   unsigned long long timeout_ns;
@@ -208,6 +208,12 @@ __device__ inline void dispatch_recv(const DispatchRecvArgs& a) {
   __shared__ int hist[2][kSharedExperts];
   const unsigned long long op = current_op(a.my_sig, a.me);
   if (a.stage == 0) {
+    // The counters stage 1 adds into start at zero here (stage 1 is the next launch on the stream), so the
+    // caller allocates them without a fill.
+    for (int j = threadIdx.x; j < a.num_local_experts; j += blockDim.x) {
+      if (a.per_expert != nullptr) a.per_expert[j] = 0;
+      if (a.kept_per_expert != nullptr) a.kept_per_expert[j] = 0;
+    }
     gather_arrivals(a.my_sig, a.num_ranks, kDispatchArrived, 32, op, counts, starts, a.status,
                     kPhaseDispatchArrive, a.timeout_ns);
     return;
