@@ -109,13 +109,18 @@ def test_native_copy_rows_arguments(expanded: bool) -> None:
     x, starts = torch.randn(5, 16, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int64)
     src_row = torch.zeros(20, dtype=torch.int64) if expanded else None
     end = torch.zeros(4, dtype=torch.int64)[3:] if expanded else None
+    index = torch.zeros(6, 3, dtype=torch.int64) if expanded else None
     out = torch.zeros(20, 16, dtype=torch.bfloat16)
-    ep.copy_rows(x, starts, src_row, out, 200, rows_end=end)
+    ep.copy_rows(x, starts, src_row, out, 200, rows_end=end, index=index)
+    tail = [index, I64(6), I32(3)] if expanded else [Ptr(0), I64(0), I32(0)]
     assert_launch(ep.launchers["ep_dispatch_rows"], 0, 200, [
         x, ep.workspace, ep.signals, I64(1 << 20), I64(4608), I64(meta_offset(32)), I64(32), starts,
         src_row if expanded else Ptr(0), end if expanded else Ptr(0), I64(20), I32(4), I32(1), out,
-        ep.done[1:2], ep.status,
+        ep.done[1:2], ep.status, *tail,
     ])  # fmt: skip
+    if expanded:  # the row -> expanded rows map goes with the expanded rows' sources
+        with pytest.raises(ValueError, match=r"index .* needs src_row"):
+            ep.copy_rows(x, starts, None, out, 200, index=index)
 
 
 @pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float16, 1), (torch.float32, 2)])

@@ -130,7 +130,7 @@ def _expand(
     index = torch.empty(rows, k, dtype=torch.int64, device=dev)
     st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
     recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
-    st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=offsets[big_l:])
+    st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=offsets[big_l:], index=index)
     maps = ExpandedMaps(
         counts=out["kept_per_expert"], offsets=offsets, src_row=src_row, slot=slot, index=index
     )
@@ -155,7 +155,8 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
         m = h.expanded_src_row.shape[0] if h.expanded_src_row is not None and h.expand else h.num_recv_rows
         recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=buf.device)
         end = h.expert_offsets[-1:] if h.expand and h.expert_offsets is not None else None
-        st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=end)
+        index = h.recv_expanded_index if src_row is not None else None
+        st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=end, index=index)
     return recv_x
 
 

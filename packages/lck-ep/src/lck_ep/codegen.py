@@ -169,9 +169,9 @@ _NATIVE_BODIES = {
         """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
     long long meta_offset, long long x_bytes, const long long* recv_starts, const long long* src_row,
     const long long* rows_end, long long out_rows, int num_ranks, int me, uint8_t* out, unsigned int* done,
-    long long* status""",
+    long long* status, const long long* index, long long index_rows, int num_topk""",
         """lck_ep::DispatchRowsArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, recv_starts,
-        src_row, rows_end, out_rows, num_ranks, me, out, done, status};
+        src_row, rows_end, out_rows, num_ranks, me, out, done, status, index, index_rows, num_topk};
     lck_ep::dispatch_rows(a);""",
     ),
     "ep_combine_send": (

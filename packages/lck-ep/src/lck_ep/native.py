@@ -416,15 +416,20 @@ class NativeEp:
         out: torch.Tensor,
         num_sms: int,
         rows_end: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
     ) -> None:
         """``out[m]`` = received row ``src_row[m]`` (zero where -1) for ``m`` below ``rows_end[0]`` (the
         expanded rows in use, ``expert_offsets[L]``; all rows without it), or without ``src_row`` received
         row ``m`` for ``m`` below the rows received, straight from the workspace (or ``x`` for this member's
         own rows); later rows (a sync-free output's capacity padding) are not written. Then this member has
-        finished reading the operation (the dispatch's publication).
+        finished reading the operation (the dispatch's publication). With the expanded maps' ``index``
+        ([N, K], each received row's expanded rows) beside ``src_row``, each received row is read once and
+        stored at every one of its expanded rows (without it, once per expanded row).
 
         It waits for nothing, so it may take every SM without stalling a peer (the channel limit
         ``num_sms`` is for the kernels that spin on other members), like a torch copy of the same rows."""
+        if index is not None and src_row is None:
+            raise ValueError("copy_rows: index (the expanded maps) needs src_row beside it")
         lay = self.layout
         x_bytes = x.shape[1] * x.element_size()
         self.launchers["ep_dispatch_rows"](
@@ -446,6 +451,9 @@ class NativeEp:
                 out.data_ptr(),
                 self._done[1],
                 self._status,
+                _addr(index),
+                index.shape[0] if index is not None else 0,
+                index.shape[1] if index is not None else 0,
             ],
         )
         self._mirror()

@@ -10,8 +10,8 @@
 // row) into the caller's tensors, pads the rest of a capacity-sized output, and counts entries per local
 // expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
 // dispatch_rows (every member): copies the rows out of the workspace (or from x for this member's own
-// rows) into the output, compact or expert-major, zeroing alignment padding, and then publishes that this member
-// finished reading the operation. It waits for nothing, so it runs on every SM.
+// rows) into the output, compact or expert-major (each received row read once and stored at each of its
+// expanded rows), zeroing alignment padding, and then publishes that this member finished reading the operation. It waits for nothing, so it runs on every SM.
 // Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside
 // its local expert (expert, then row, then slot: lck_ep.expanded's order).
 //
@@ -420,7 +420,49 @@ struct DispatchRowsArgs {
   uint8_t* out;                  // [M, x_bytes]
   unsigned int* done;
   long long* status;
+  const long long* index;  // expanded: [N, K] expanded row of each (received row, slot) or -1; else nullptr
+  long long index_rows;    // N
+  int num_topk;            // K
 };
+
+// The batches of 16-byte loads of one row (n16 of them, from lane's index i), each issued once and stored at
+// offset i of every expanded row index[k] below used: a row routed to several local experts is read once.
+template <int U>
+__device__ __forceinline__ long long store_each_batches(const int4* __restrict__ s, long long i, long long n16,
+                                                        uint8_t* out, long long x_bytes, const long long* index,
+                                                        int num_topk, long long used) {
+  for (; i + 32 * (U - 1) < n16; i += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldg(s + i + 32 * u);
+    for (int k = 0; k < num_topk; ++k) {
+      const long long e = index[k];
+      if (e < 0 || e >= used) continue;
+      int4* d = reinterpret_cast<int4*>(out + e * x_bytes);
+#pragma unroll
+      for (int u = 0; u < U; ++u) d[i + 32 * u] = v[u];
+    }
+  }
+  return i;
+}
+
+// One received row (src) into each of its expanded rows (index[0, K), those below used) with one warp.
+__device__ __forceinline__ void copy_to_expanded(const uint8_t* src, uint8_t* out, long long x_bytes,
+                                                 const long long* index, int num_topk, long long used, int lane) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(x_bytes)) &
+       15u) != 0) {
+    for (int k = 0; k < num_topk; ++k) {
+      const long long e = index[k];
+      if (e >= 0 && e < used) warp_copy(out + e * x_bytes, src, x_bytes, lane);
+    }
+    return;
+  }
+  const int4* s = reinterpret_cast<const int4*>(src);
+  const long long n16 = x_bytes >> 4;
+  long long i = store_each_batches<8>(s, lane, n16, out, x_bytes, index, num_topk, used);
+  i = store_each_batches<4>(s, i, n16, out, x_bytes, index, num_topk, used);
+  store_each_batches<1>(s, i, n16, out, x_bytes, index, num_topk, used);
+}
 
 __device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
   __shared__ long long starts[kMaxRanks + 1];
@@ -436,7 +478,21 @@ __device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
     const long long total = starts[a.num_ranks];
     const long long used = a.src_row == nullptr ? min(total, a.out_rows)
                            : a.rows_end != nullptr ? min(*a.rows_end, a.out_rows) : a.out_rows;
-    for (long long m = warp; m < used; m += warps) {
+    if (a.index != nullptr) {
+      // Expanded with the row -> expanded rows map: each received row is read once (a row routed to k local
+      // experts was read k times through src_row), then the alignment padding rows are zeroed.
+      const long long kept = min(total, a.index_rows);
+      for (long long n = warp; n < kept; n += warps) {
+        const int s = source_of(starts, a.num_ranks, n);
+        const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
+        const uint8_t* from =
+            s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
+        copy_to_expanded(from, a.out, a.x_bytes, a.index + n * a.num_topk, a.num_topk, used, lane);
+      }
+      for (long long m = warp; m < used; m += warps)
+        if (a.src_row[m] < 0) warp_zero(a.out + m * a.x_bytes, a.x_bytes, lane);
+    }
+    for (long long m = warp; a.index == nullptr && m < used; m += warps) {
       const long long n = a.src_row != nullptr ? a.src_row[m] : m;
       uint8_t* dst = a.out + m * a.x_bytes;
       if (n < 0) {
