@@ -11,7 +11,8 @@
 // expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
 // dispatch_rows (every member): copies the rows out of the workspace (or from x for this member's own
 // rows) into the output, compact or expert-major (each received row read once and stored at each of its
-// expanded rows), zeroing alignment padding, and then publishes that this member finished reading the operation. It waits for nothing, so it runs on every SM.
+// expanded rows), zeroing alignment padding, and then publishes that this member finished reading the
+// operation. It waits for nothing, so it runs on every SM.
 // Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside
 // its local expert (expert, then row, then slot: lck_ep.expanded's order).
 //
