@@ -112,11 +112,12 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
             slot.fill_(1)
             index.fill_(2)
 
-        def copy_rows(self, x, starts, src_row, recv_x, num_sms, rows_end=None):
+        def copy_rows(self, x, starts, src_row, recv_x, num_sms, rows_end=None, index=None):
             calls["rows"] = num_sms
             calls["rows_end"] = (
                 rows_end  # where the rows in use end: the maps' offsets[L], read on the device
             )
+            calls["index"] = index  # each received row's expanded rows: the row is read once for all of them
             recv_x.fill_(7.0)
 
     buf = SimpleNamespace(device=torch.device("cpu"), num_local_experts=2, num_topk=3, num_sms=5)
@@ -130,6 +131,7 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
     assert calls["maps"] == (kept, 1) and calls["rows"] == 5
     assert calls["rows_end"].shape == (1,) and int(calls["rows_end"]) == 2  # offsets[L] = arange(3)[2]
     assert calls["rows_end"].data_ptr() == fields["expert_offsets"][2:].data_ptr()
+    assert calls["index"] is fields["recv_expanded_index"]
     assert recv_x.shape == (6, 8) and bool((recv_x == 7.0).all())
     assert fields["num_expanded_rows"] == 6
     assert torch.equal(fields["expert_offsets"], torch.arange(3))
