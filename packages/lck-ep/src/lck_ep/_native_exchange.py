@@ -167,25 +167,24 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
     st: NativeEp = buf._native
     st.raise_if_failed()
     h = plan.handle
-    partial = plan.x
     with torch.cuda.device(buf.device):
-        if h.expand:
-            index = h.recv_expanded_index
-            assert index is not None
+        index = h.recv_expanded_index if h.expand else None
+        assert index is not None or not h.expand
+        if index is None:
+            partial = plan.x.contiguous()
+        else:
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
+        sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
+        if index is None:
+            st.send_partials(sent, buf.num_sms, buf.timeout_ns)
+        else:
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
-            sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
             if st.fuses_expanded_combine:  # reduced into the sources' regions, own rows into partial
                 st.send_expanded_partials(plan.x.contiguous(), index, w, sent, buf.num_sms, buf.timeout_ns)
             else:
                 used = h.num_recv_tokens if h.sync_free else None  # a 0-d int64 device tensor
                 st.reduce_expanded(plan.x.contiguous(), index, w, partial, rows_used=used)
                 st.send_partials(sent, buf.num_sms, buf.timeout_ns)
-        else:
-            partial = partial.contiguous()
-            st.send_partials(
-                OutgoingPartials(partial, h.recv_counts_device, h.recv_starts), buf.num_sms, buf.timeout_ns
-            )
         out = torch.empty(h.num_tokens, buf.hidden, dtype=partial.dtype, device=buf.device)
         st.reduce_partials(
             partial,

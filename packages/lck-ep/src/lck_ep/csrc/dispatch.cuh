@@ -465,6 +465,14 @@ __device__ __forceinline__ void copy_to_expanded(const uint8_t* src, uint8_t* ou
   store_each_batches<1>(s, i, n16, out, x_bytes, index, num_topk, used);
 }
 
+// Where received row n's bytes are: its source's region row, or, for this member's own tokens (whose region row
+// holds only the routing), that token's row of x.
+__device__ __forceinline__ const uint8_t* received_row(const DispatchRowsArgs& a, const long long* starts, long long n) {
+  const int s = source_of(starts, a.num_ranks, n);
+  const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
+  return s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
+}
+
 __device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
   __shared__ long long starts[kMaxRanks + 1];
   const unsigned long long op = current_op(a.my_sig, a.me);
@@ -483,28 +491,18 @@ __device__ inline void dispatch_rows(const DispatchRowsArgs& a) {
       // Expanded with the row -> expanded rows map: each received row is read once (a row routed to k local
       // experts was read k times through src_row), then the alignment padding rows are zeroed.
       const long long kept = min(total, a.index_rows);
-      for (long long n = warp; n < kept; n += warps) {
-        const int s = source_of(starts, a.num_ranks, n);
-        const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
-        const uint8_t* from =
-            s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
-        copy_to_expanded(from, a.out, a.x_bytes, a.index + n * a.num_topk, a.num_topk, used, lane);
-      }
+      for (long long n = warp; n < kept; n += warps)
+        copy_to_expanded(received_row(a, starts, n), a.out, a.x_bytes, a.index + n * a.num_topk, a.num_topk, used,
+                         lane);
       for (long long m = warp; m < used; m += warps)
         if (a.src_row[m] < 0) warp_zero(a.out + m * a.x_bytes, a.x_bytes, lane);
-    }
-    for (long long m = warp; a.index == nullptr && m < used; m += warps) {
-      const long long n = a.src_row != nullptr ? a.src_row[m] : m;
-      uint8_t* dst = a.out + m * a.x_bytes;
-      if (n < 0) {
-        warp_zero(dst, a.x_bytes, lane);
-        continue;
+    } else {
+      for (long long m = warp; m < used; m += warps) {
+        const long long n = a.src_row != nullptr ? a.src_row[m] : m;
+        uint8_t* dst = a.out + m * a.x_bytes;
+        if (n < 0) warp_zero(dst, a.x_bytes, lane);
+        else warp_copy(dst, received_row(a, starts, n), a.x_bytes, lane);
       }
-      const int s = source_of(starts, a.num_ranks, n);
-      const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
-      const uint8_t* from =
-          s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
-      warp_copy(dst, from, a.x_bytes, lane);
     }
   }
   finish_receive(a.done, a.my_sig, a.me, op, a.status);
