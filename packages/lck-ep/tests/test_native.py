@@ -112,8 +112,9 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
             slot.fill_(1)
             index.fill_(2)
 
-        def copy_rows(self, x, starts, src_row, recv_x, num_sms, rows_end=None, index=None):
+        def copy_rows(self, x, starts, src_row, recv_x, num_sms, rows_end=None, index=None, src_idx=None):
             calls["rows"] = num_sms
+            calls["src_idx"] = src_idx  # where a pulled row sits in its source's region
             calls["rows_end"] = (
                 rows_end  # where the rows in use end: the maps' offsets[L], read on the device
             )
@@ -126,12 +127,14 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
         "recv_topk_idx": torch.zeros(4, 3, dtype=torch.int64),
         "kept_per_expert": kept,
         "recv_starts": None,
+        "recv_src_idx": torch.zeros(4, dtype=torch.int64),
     }
     recv_x, fields = _expand(_Kernels(), buf, torch.ones(4, 8), out, rows=4, m=6, alignment=1)
     assert calls["maps"] == (kept, 1) and calls["rows"] == 5
     assert calls["rows_end"].shape == (1,) and int(calls["rows_end"]) == 2  # offsets[L] = arange(3)[2]
     assert calls["rows_end"].data_ptr() == fields["expert_offsets"][2:].data_ptr()
     assert calls["index"] is fields["recv_expanded_index"]
+    assert calls["src_idx"] is out["recv_src_idx"]
     assert recv_x.shape == (6, 8) and bool((recv_x == 7.0).all())
     assert fields["num_expanded_rows"] == 6
     assert torch.equal(fields["expert_offsets"], torch.arange(3))

@@ -53,15 +53,17 @@ def test_native_send_slots_arguments() -> None:
     assert len(ep.launchers["ep_send_slots"].calls) == 1  # no tokens: no launch
 
 
-def test_native_send_rows_arguments() -> None:
+@pytest.mark.parametrize("pull", [True, False])
+def test_native_send_rows_arguments(pull: bool) -> None:
     for routed in (True, False):
         ep, sent = _state(NativeEp), _rows(routed)
+        ep.pulls_rows = pull
         ep.send_rows(sent, 3, 7, 9)
         assert_launch(ep.launchers["ep_dispatch_send"], 0, 7, [
             sent.x, I64(32), sent.topk_idx if routed else Ptr(0), sent.topk_weights if routed else Ptr(0),
             sent.mask, sent.send_slot, sent.rows_to, ep.peer_ws, ep.peer_sig, I64(1 << 20), I64(4608),
             I64(meta_offset(32)), I32(5), I32(2 if routed else 0), I32(4), I32(1), I32(3), ep.done[0:1],
-            ep.status, U64(9),
+            ep.status, U64(9), I32(int(pull)),
         ])  # fmt: skip
 
 
@@ -103,24 +105,35 @@ def test_native_expand_maps_arguments() -> None:
     ])  # fmt: skip
 
 
+@pytest.mark.parametrize("pull", [True, False])
 @pytest.mark.parametrize("expanded", [True, False])
-def test_native_copy_rows_arguments(expanded: bool) -> None:
+def test_native_copy_rows_arguments(expanded: bool, pull: bool) -> None:
     ep = _state(NativeEp)
+    ep.pulls_rows = pull
     x, starts = torch.randn(5, 16, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int64)
     src_row = torch.zeros(20, dtype=torch.int64) if expanded else None
     end = torch.zeros(4, dtype=torch.int64)[3:] if expanded else None
     index = torch.zeros(6, 3, dtype=torch.int64) if expanded else None
+    src_idx = torch.zeros(6, dtype=torch.int64)
     out = torch.zeros(20, 16, dtype=torch.bfloat16)
-    ep.copy_rows(x, starts, src_row, out, 200, rows_end=end, index=index)
+    ep.copy_rows(x, starts, src_row, out, 200, rows_end=end, index=index, src_idx=src_idx)
     tail = [index, I64(6), I32(3)] if expanded else [Ptr(0), I64(0), I32(0)]
     assert_launch(ep.launchers["ep_dispatch_rows"], 0, 200, [
         x, ep.workspace, ep.signals, I64(1 << 20), I64(4608), I64(meta_offset(32)), I64(32), starts,
         src_row if expanded else Ptr(0), end if expanded else Ptr(0), I64(20), I32(4), I32(1), out,
-        ep.done[1:2], ep.status, *tail,
+        ep.done[1:2], ep.status, *tail, ep.peer_ws, src_idx, I32(int(pull)),
     ])  # fmt: skip
     if expanded:  # the row -> expanded rows map goes with the expanded rows' sources
         with pytest.raises(ValueError, match=r"index .* needs src_row"):
-            ep.copy_rows(x, starts, None, out, 200, index=index)
+            ep.copy_rows(x, starts, None, out, 200, index=index, src_idx=src_idx)
+    if pull:  # a pulled row is found through its source token index
+        with pytest.raises(ValueError, match=r"pulled rows need src_idx"):
+            ep.copy_rows(x, starts, src_row, out, 200, rows_end=end, index=index)
+
+
+def test_hybrid_state_pushes_rows() -> None:
+    # The hybrid pair's senders store rows in the destinations' regions, so its receiver must not pull.
+    assert NativeEp.pulls_rows and not HybridEp.pulls_rows
 
 
 @pytest.mark.parametrize(("dtype", "code"), [(torch.bfloat16, 0), (torch.float16, 1), (torch.float32, 2)])

@@ -86,7 +86,7 @@ def dispatch(
             recv_x, fields = _expand(st, buf, plan.x, out, rows, m, a)
         else:
             recv_x = torch.empty(rows, plan.x.shape[1], dtype=plan.x.dtype, device=dev)
-            st.copy_rows(plan.x, out["recv_starts"], None, recv_x, buf.num_sms)
+            st.copy_rows(plan.x, out["recv_starts"], None, recv_x, buf.num_sms, src_idx=out["recv_src_idx"])
     if counts is not None:
         mode: dict[str, Any] = dict(
             send_counts=tuple(send),
@@ -130,7 +130,10 @@ def _expand(
     index = torch.empty(rows, k, dtype=torch.int64, device=dev)
     st.expand_maps(out["recv_topk_idx"], out["kept_per_expert"], alignment, offsets, src_row, slot, index)
     recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
-    st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=offsets[big_l:], index=index)
+    st.copy_rows(
+        x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=offsets[big_l:], index=index,
+        src_idx=out["recv_src_idx"],
+    )  # fmt: skip
     maps = ExpandedMaps(
         counts=out["kept_per_expert"], offsets=offsets, src_row=src_row, slot=slot, index=index
     )
@@ -156,7 +159,10 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
         recv_x = torch.empty(m, x.shape[1], dtype=x.dtype, device=buf.device)
         end = h.expert_offsets[-1:] if h.expand and h.expert_offsets is not None else None
         index = h.recv_expanded_index if src_row is not None else None
-        st.copy_rows(x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=end, index=index)
+        idx = h.recv_src_idx
+        st.copy_rows(
+            x, out["recv_starts"], src_row, recv_x, buf.num_sms, rows_end=end, index=index, src_idx=idx
+        )
     return recv_x
 
 

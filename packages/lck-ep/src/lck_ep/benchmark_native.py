@@ -77,6 +77,20 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
     return rows
 
 
+def pushed(buf: Any, fn: Any) -> Any:
+    """``fn`` run with ``buf``'s native state pushing dispatched rows instead of pulling them."""
+
+    def run() -> Any:
+        st = buf._native
+        st.pulls_rows = False
+        try:
+            return fn()
+        finally:
+            del st.pulls_rows  # back to the class's choice
+
+    return run
+
+
 def _bench_shape(
     shape: tuple[str, int, int, int, int], rank: int, world: int, dev: Any, attempt: Any, with_reference: bool
 ) -> None:
@@ -99,6 +113,14 @@ def _bench_shape(
     )
     expanded = lambda: free.dispatch(x, idx, w, expand=True, expert_alignment=128)
     attempt("dispatch_expanded", "lck_nvshmem_sync_free", label, expanded, sent)
+    # The same calls with rows pushed into the destinations' regions (the design before pulled rows), for
+    # comparison; every PE switches at the same point of the sequence, so senders and receivers agree.
+    attempt(
+        "dispatch", "lck_nvshmem_sync_free_push", label, pushed(free, lambda: free.dispatch(x, idx, w)), sent
+    )
+    cached_push = pushed(free, lambda: free.dispatch(x, handle=df.handle))
+    attempt("dispatch_cached", "lck_nvshmem_sync_free_push", label, cached_push, sent)
+    attempt("dispatch_expanded", "lck_nvshmem_sync_free_push", label, pushed(free, expanded), sent)
     de = expanded()
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)

@@ -135,10 +135,10 @@ _NATIVE_BODIES = {
     const bool* mask, const long long* send_slot, const int* rows_to, const long long* peer_ws,
     const long long* peer_sig, long long region_bytes, long long row_stride, long long meta_offset,
     int num_tokens, int num_topk, int num_ranks, int me, int num_local_experts, unsigned int* done,
-    long long* status, unsigned long long timeout_ns""",
+    long long* status, unsigned long long timeout_ns, int pull""",
         """lck_ep::DispatchSendArgs a{x, x_bytes, topk_idx, topk_weights, mask, send_slot, rows_to, peer_ws,
         peer_sig, region_bytes, row_stride, meta_offset, num_tokens, num_topk, num_ranks, me,
-        num_local_experts, done, status, timeout_ns};
+        num_local_experts, done, status, timeout_ns, pull};
     lck_ep::dispatch_send(a);""",
     ),
     "ep_dispatch_recv": (
@@ -169,9 +169,11 @@ _NATIVE_BODIES = {
         """const uint8_t* x, const uint8_t* ws, long long* my_sig, long long region_bytes, long long row_stride,
     long long meta_offset, long long x_bytes, const long long* recv_starts, const long long* src_row,
     const long long* rows_end, long long out_rows, int num_ranks, int me, uint8_t* out, unsigned int* done,
-    long long* status, const long long* index, long long index_rows, int num_topk""",
+    long long* status, const long long* index, long long index_rows, int num_topk, const long long* peer_ws,
+    const long long* src_idx, int pull""",
         """lck_ep::DispatchRowsArgs a{x, ws, my_sig, region_bytes, row_stride, meta_offset, x_bytes, recv_starts,
-        src_row, rows_end, out_rows, num_ranks, me, out, done, status, index, index_rows, num_topk};
+        src_row, rows_end, out_rows, num_ranks, me, out, done, status, index, index_rows, num_topk, peer_ws,
+        src_idx, pull};
     lck_ep::dispatch_rows(a);""",
     ),
     "ep_combine_send": (

@@ -225,6 +225,10 @@ class NativeEp:
     # An expanded handle's combine reduces and sends its rows in one launch (send_expanded_partials); a state
     # whose partials go through other senders (the hybrid pair) reduces first and sends the reduced rows.
     fuses_expanded_combine = True
+    # Dispatched rows are pulled: the sender stores each row once, in its own region, and every member it goes
+    # to reads it from there (dispatch_send / dispatch_rows with pull). Pushing stores it once per member, into
+    # that member's region, to be read again there; a state with other senders (the hybrid pair) pushes.
+    pulls_rows = True
 
     def __init__(self, ctx: Any, device: torch.device) -> None:
         cfg = ctx.config
@@ -337,6 +341,7 @@ class NativeEp:
                 self._done[0],
                 self._status,
                 timeout_ns,
+                int(self.pulls_rows),
             ],
         )
 
@@ -417,6 +422,7 @@ class NativeEp:
         num_sms: int,
         rows_end: torch.Tensor | None = None,
         index: torch.Tensor | None = None,
+        src_idx: torch.Tensor | None = None,
     ) -> None:
         """``out[m]`` = received row ``src_row[m]`` (zero where -1) for ``m`` below ``rows_end[0]`` (the
         expanded rows in use, ``expert_offsets[L]``; all rows without it), or without ``src_row`` received
@@ -424,12 +430,15 @@ class NativeEp:
         own rows); later rows (a sync-free output's capacity padding) are not written. Then this member has
         finished reading the operation (the dispatch's publication). With the expanded maps' ``index``
         ([N, K], each received row's expanded rows) beside ``src_row``, each received row is read once and
-        stored at every one of its expanded rows (without it, once per expanded row).
+        stored at every one of its expanded rows (without it, once per expanded row). ``src_idx`` (the
+        received rows' source token indices, ``recv_src_idx``) says where a pulled row is in its source's region.
 
         It waits for nothing, so it may take every SM without stalling a peer (the channel limit
         ``num_sms`` is for the kernels that spin on other members), like a torch copy of the same rows."""
         if index is not None and src_row is None:
             raise ValueError("copy_rows: index (the expanded maps) needs src_row beside it")
+        if self.pulls_rows and src_idx is None:
+            raise ValueError("copy_rows: pulled rows need src_idx (the received rows' source token indices)")
         lay = self.layout
         x_bytes = x.shape[1] * x.element_size()
         self.launchers["ep_dispatch_rows"](
@@ -454,6 +463,9 @@ class NativeEp:
                 _addr(index),
                 index.shape[0] if index is not None else 0,
                 index.shape[1] if index is not None else 0,
+                self._peer_ws,
+                _addr(src_idx),
+                int(self.pulls_rows),
             ],
         )
         self._mirror()

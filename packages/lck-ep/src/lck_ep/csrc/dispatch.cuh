@@ -111,6 +111,7 @@ struct DispatchSendArgs {
   unsigned int* done;
   long long* status;
   unsigned long long timeout_ns;
+  int pull;  // 1: rows are staged once in this member's own region and each destination reads them from there
 };
 
 __device__ inline void dispatch_send(const DispatchSendArgs& a) {
@@ -125,13 +126,21 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
     const int K = a.num_topk;
     // Rows are read once and stored to every destination when they are 16-byte movable (regions and rows
     // are 16-byte aligned, so only x and the row length decide).
-    const bool fan = ((reinterpret_cast<uintptr_t>(a.x) | static_cast<uintptr_t>(a.x_bytes)) & 15u) == 0;
+    const bool fan = !a.pull && ((reinterpret_cast<uintptr_t>(a.x) | static_cast<uintptr_t>(a.x_bytes)) & 15u) == 0;
+    // Pulled rows: row t of this member's own region (its x bytes; the routing of this member's own rows
+    // sits at meta_offset of other rows there, so the two never overlap; t < cap as num_tokens <= cap).
+    uint8_t* stage = reinterpret_cast<uint8_t*>(a.peer_ws[a.me]) + a.me * a.region_bytes;
     for (long long t = warp; t < a.num_tokens; t += warps) {
       const uint8_t* src = a.x + t * a.x_bytes;
       const bool* mask = a.mask + t * a.num_ranks;
       const long long* slot = a.send_slot + t * a.num_ranks;
       if (fan) fan_out_row(src, a.x_bytes, mask, slot, a.peer_ws, a.num_ranks, a.me, a.me * a.region_bytes,
                            a.row_stride, lane);
+      if (a.pull) {  // one store of the row however many other members read it
+        bool elsewhere = false;
+        for (int d = 0; d < a.num_ranks && !elsewhere; ++d) elsewhere = d != a.me && mask[d];
+        if (elsewhere) warp_copy(stage + t * a.row_stride, src, a.x_bytes, lane);
+      }
       for (int d = 0; d < a.num_ranks; ++d) {
         if (!mask[d]) continue;
         uint8_t* row = reinterpret_cast<uint8_t*>(a.peer_ws[d]) + a.me * a.region_bytes + slot[d] * a.row_stride;
@@ -139,7 +148,7 @@ __device__ inline void dispatch_send(const DispatchSendArgs& a) {
         // Rows for this member itself stay in x: only their token index goes to the region, and the
         // receiver copies them from x (one pass over those bytes instead of three).
         if (d != a.me) {
-          if (!fan) warp_copy(row, src, a.x_bytes, lane);
+          if (!fan && !a.pull) warp_copy(row, src, a.x_bytes, lane);
         } else if (lane == 0) {
           *reinterpret_cast<int*>(meta) = static_cast<int>(t);
         }
@@ -424,6 +433,9 @@ struct DispatchRowsArgs {
   const long long* index;  // expanded: [N, K] expanded row of each (received row, slot) or -1; else nullptr
   long long index_rows;    // N
   int num_topk;            // K
+  const long long* peer_ws;  // [W] every member's workspace (pulled rows)
+  const long long* src_idx;  // [N] source token index of each received row (pulled rows)
+  int pull;                  // 1: other members' rows are read from their own regions (dispatch_send's pull)
 };
 
 // The batches of 16-byte loads of one row (n16 of them, from lane's index i), each issued once and stored at
@@ -465,10 +477,13 @@ __device__ __forceinline__ void copy_to_expanded(const uint8_t* src, uint8_t* ou
   store_each_batches<1>(s, i, n16, out, x_bytes, index, num_topk, used);
 }
 
-// Where received row n's bytes are: its source's region row, or, for this member's own tokens (whose region row
-// holds only the routing), that token's row of x.
+// Where received row n's bytes are: its source's region row (pushed), the row its source staged in its own
+// region (pulled), or, for this member's own tokens (whose region row holds only the routing), that token's
+// row of x.
 __device__ __forceinline__ const uint8_t* received_row(const DispatchRowsArgs& a, const long long* starts, long long n) {
   const int s = source_of(starts, a.num_ranks, n);
+  if (a.pull && s != a.me)
+    return reinterpret_cast<const uint8_t*>(a.peer_ws[s]) + s * a.region_bytes + a.src_idx[n] * a.row_stride;
   const uint8_t* row = a.ws + s * a.region_bytes + (n - starts[s]) * a.row_stride;
   return s != a.me ? row : a.x + static_cast<long long>(*reinterpret_cast<const int*>(row + a.meta_offset)) * a.x_bytes;
 }
