@@ -2,8 +2,9 @@
 
 The same outputs and handles as :mod:`lck_ep._exchange` builds over the reference backend, bit for bit.
 The layout is the same kernel; the send slots are :func:`lck_ep.reference.send_slots` computed by a kernel;
-rows are stored by the kernels straight into the destination's symmetric workspace and laid out there by
-the receiver, compact or (``expand=True``) expert-major with the expanded maps computed on the device;
+each row is stored once in its sender's symmetric workspace and read by every destination straight into
+its output (pulled; the hybrid state's senders push rows into the destinations' workspaces instead), laid
+out by the receiver compact or (``expand=True``) expert-major with the expanded maps computed on the device;
 combine reduces an expanded handle's rows with a kernel and sums the partials on the source, both in
 the reference order.
 """

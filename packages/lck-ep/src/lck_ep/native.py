@@ -7,8 +7,9 @@ of ``MoEConfig.max_tokens`` rows of ``row_stride`` bytes (the size the runtime r
 ``lck_runtime.symmetric.moe_workspace_bytes``); the protocol and the row layout are in ``ep_native.cuh``.
 
 A dispatch is send slots, sender, receiver (a one-block wait, then the routing laid out on every SM),
-for ``expand=True`` the expanded maps, and the row copy out of the workspace (every SM), which releases
-the workspace for the next operation; a combine is sender and receiver (a one-block wait, then the sums on
+for ``expand=True`` the expanded maps, and the row copy (every SM) out of the sources' regions, where each
+source staged its rows once (:attr:`NativeEp.pulls_rows`), which releases the workspaces for the next
+operation; a combine is sender and receiver (a one-block wait, then the sums on
 every SM), and for an expanded handle the sender reduces each received row's expanded rows itself, straight
 into the source's region. ``num_sms`` sizes the senders, the kernels that write into other members'
 workspaces; the receivers' local passes wait on nobody and take the whole GPU, like the torch ops they

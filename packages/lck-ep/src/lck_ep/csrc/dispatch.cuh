@@ -1,16 +1,19 @@
 // lck-ep: native dispatch over peer views of the symmetric workspace (scale-up: one host).
 //
-// dispatch_send (every member, as a source): each token row goes once to every member that hosts one of
-// its experts, stored straight into that member's region for this source at the row's send slot (its
-// rank among this source's tokens for that member), with its routing as the member will read it: the
-// source token index, then per slot the weight (0 where the slot is not the member's) and the local
-// expert index (-1 there). Then the last block publishes (op << 32 | rows) to every member.
+// dispatch_send (every member, as a source): every member that hosts one of a token's experts gets the
+// token's routing in its region for this source, at the row's send slot (its rank among this source's
+// tokens for that member): the source token index, then per slot the weight (0 where the slot is not the
+// member's) and the local expert index (-1 there). The row itself is pulled (pull = 1, the native state):
+// stored once, at row t of this source's own region, for every member to read from there; or pushed (the
+// hybrid pair's receivers, and the benchmark's comparison): stored into each member's region beside its
+// routing. Then the last block publishes (op << 32 | rows) to every member; a source overwrites its staged
+// rows only after every member finished reading the operation (the same wait as for pushed rows).
 // dispatch_recv (every member, as a destination): waits for every source's word, lays the routing of the
 // rows out in the documented order (source ascending, then token ascending: region by region, row by
 // row) into the caller's tensors, pads the rest of a capacity-sized output, and counts entries per local
 // expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
-// dispatch_rows (every member): copies the rows out of the workspace (or from x for this member's own
-// rows) into the output, compact or expert-major (each received row read once and stored at each of its
+// dispatch_rows (every member): copies the rows out of the sources' regions (pulled), its own workspace
+// (pushed) or x (this member's own rows) into the output, compact or expert-major (each received row read once and stored at each of its
 // expanded rows), zeroing alignment padding, and then publishes that this member finished reading the
 // operation. It waits for nothing, so it runs on every SM.
 // Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside

@@ -3,7 +3,9 @@
 // Memory. Every member of an EP group owns one symmetric workspace (lck_runtime's MoE context) cut into
 // W regions of `cap` rows, one region per source member: region s of member d receives what s sends to d
 // (dispatch: token rows and their routing; combine: partial rows). Row j of region s holds the j-th row
-// s sends to d, in s's token order, so the receiver knows where every row of every source lands.
+// s sends to d, in s's token order, so the receiver knows where every row of every source lands. A pulled
+// dispatch leaves the rows' bytes with their source: member s stages token t at row t of its own region s
+// (the bytes before meta_offset; the routing of s's rows to itself sits after it), where d reads it.
 //
 // Signals (int64 words, kSignalWords per member, in each member's symmetric signal array):
 //   [s * kSignalWords + kDispatchArrived]  (epoch << 32) | rows: source s finished its dispatch rows here;
@@ -12,7 +14,8 @@
 // Every dispatch, replay and combine of a context is one operation; all members run the same sequence,
 // so a device-side counter (kOpsDone) numbers them alike on every member without any host state, also
 // across CUDA-graph replays. Before writing into member d's workspace, operation e waits until d has
-// finished reading operation e - 1 (d's kOpsDone >= e - 1): a region is never overwritten while read.
+// finished reading operation e - 1 (d's kOpsDone >= e - 1): a region is never overwritten while read,
+// and a source's staged rows are not either (it waits for every member before staging).
 //
 // Waits are bounded: a wait that outlasts timeout_ns records a diagnostic in status[] and the kernel
 // stops; later kernels of the context see the diagnostic and return at once, and the host raises it.
