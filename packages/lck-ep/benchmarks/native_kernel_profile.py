@@ -1,0 +1,117 @@
+"""Where the GPU time of a native dispatch and combine goes: every kernel's time per call, N PEs, 4096 tokens.
+
+``lck bench ep --pes N`` gives one time per operation; this splits it by kernel (send slots, sender, the
+receiver's wait and layout, the expanded maps, the row copy, the combine's sender and receiver) so that the
+kernel worth changing is the one measured to take the time. Every PE runs ``--iters`` calls of each kind
+(sync-free dispatch, cached dispatch, expanded dispatch, combine, expanded combine) under ``torch.profiler``
+at the DeepSeek-V3 shape; rank 0's device time per call and kernel is written to
+``<out>/native-kernel-profile-*.txt``. A sender's time includes its wait for the previous operation's readers
+and a receiver's first stage its wait for the senders: under MPS the PEs share the GPU, so the split is of
+this PE's stream, not of the GPU.
+
+    MPS=1 SCRIPT=packages/lck-ep/benchmarks/native_kernel_profile.py SCRIPT_ARGS="--out DIR --pes 8" \\
+        bash ci/device.sh script:150
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+from pathlib import Path
+from typing import Any
+
+SHAPE = ("dsv3", 4096, 7168, 8, 256)
+
+
+def _kernel_table(prof: Any, iters: int) -> list[tuple[str, int, float]]:
+    """(kernel, launches per call, device us per call) of one profile, largest first."""
+    rows = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0.0)
+        if us <= 0 or evt.device_type.name != "CUDA":
+            continue
+        rows.append((evt.key, round(evt.count / iters), us / iters))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import lck_runtime as L
+    from lck_ep.benchmark_native import dispatch_shape
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    _, tokens, hidden, k, e = SHAPE
+    if not L.configure(moe=L.MoEConfig(max_tokens=tokens, hidden_size=hidden, num_experts=e, top_k=k)):
+        raise RuntimeError("the native runtime did not come up (NVSHMEM unavailable)")
+    _, x, idx, w, _, _, free, df, _ = dispatch_shape(SHAPE, rank, dev)
+    de = free.dispatch(x, idx, w, expand=True, expert_alignment=128)
+    calls = {
+        "dispatch_sync_free": lambda: free.dispatch(x, idx, w),
+        "dispatch_cached_sync_free": lambda: free.dispatch(x, handle=df.handle),
+        "dispatch_expanded_sync_free": lambda: free.dispatch(x, idx, w, expand=True, expert_alignment=128),
+        "combine_sync_free": lambda: free.combine(df.recv_x, df.handle),
+        "combine_expanded_sync_free": lambda: free.combine(
+            de.recv_x, de.handle, topk_weights=de.recv_topk_weights
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+        dist.barrier()
+        out[name] = {"ms_per_call": start.elapsed_time(end) / iters, "kernels": _kernel_table(prof, iters)}
+    free.check_errors()
+    L.finalize()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lck_ep.benchmark_native import pes_env
+    from lck_runtime.benchmarking import gpu_slug
+    from lck_runtime.testing import run_workers
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pes", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_rank = run_workers(
+        _profile_rank, args.pes, args.iters, backend="gloo", timeout=600, env=pes_env(args.pes)
+    )
+    commit = os.environ.get("LCK_COMMIT", "unknown")[:7]
+    stem = f"native-kernel-profile-{gpu_slug()}-pes{args.pes}-{_dt.date.today().isoformat()}-{commit}.txt"
+    lines = [
+        f"# {__doc__.splitlines()[0]}",
+        f"# commit {commit}, {args.pes} PEs, {SHAPE}, {args.iters} calls per kind back to back, rank 0",
+        "",
+    ]
+    for name, rec in per_rank[0].items():
+        lines.append(f"## {name}: {rec['ms_per_call']:.3f} ms per call (events around the loop)")
+        lines.append(f"{'kernel':<60}{'launches':>9}{'us per call':>13}")
+        for kernel, n, us in rec["kernels"]:
+            lines.append(f"{kernel[:60]:<60}{n:>9}{us:>13.1f}")
+        lines.append("")
+    path = args.out / stem
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
