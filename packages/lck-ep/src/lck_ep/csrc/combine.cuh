@@ -122,71 +122,90 @@ __device__ __forceinline__ void store_group(T* dst, const T (&src)[kVec]) {
   }
 }
 
-// One warp per token, kVec consecutive elements per lane (16-byte loads when the row allows), kSpan such
-// groups per lane at once (32 * kVec apart). The rows of up to four members are loaded for every group
-// before any is added, so up to 4 * kSpan loads are in flight per lane, and then each element adds them
-// in ascending member order (the reference order: the grouping only changes when loads are issued).
-template <typename T, int kVec, int kSpan>
-__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
-  const T* b0 = static_cast<const T*>(a.bias0);
-  const T* b1 = static_cast<const T*>(a.bias1);
-  T* out = static_cast<T*>(a.out) + t * a.hidden;
-  const bool* mask = a.mask + t * a.num_ranks;
-  const long long* slot = a.send_slot + t * a.num_ranks;
-  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
+// The sum of the rows a warp's lanes hold, in ascending lane order over the lanes whose row is set: out[h] =
+// (((+0 + f(r_a[h])) + f(r_b[h])) + ...) [+ b0[h]] [+ b1[h]], in float32 with one rounding per multiply and per
+// add (no fused multiply-add), rounded once to T; f(v) = v * w of the row's lane when weighted, else v. Rows
+// come from item(i, row, w) for i in [0, count), 32 at a time (lane i % 32 asks for item i; a null row is
+// skipped); the first 32 are asked for once for the whole row. kVec consecutive elements per lane (16-byte
+// accesses when 8), kSpan such groups per lane at once, and up to kGroup rows loaded for every group before
+// any is added: kGroup * kSpan loads in flight per lane, whichever lanes the rows are on (a row of eight
+// slots of which two are set no longer costs two round trips per group of elements). The grouping only
+// changes when loads are issued, not the order of the sums.
+template <typename T, int kVec, int kSpan, int kGroup, bool kWeighted, typename Item>
+__device__ inline void sum_rows(int count, Item item, const T* b0, const T* b1, T* out, int hidden, int lane) {
+  const T* first_row = nullptr;
+  float first_w = 1.0f;
+  if (lane < count) item(lane, first_row, first_w);
+  const unsigned first_set = __ballot_sync(0xffffffffu, first_row != nullptr);
+  // Every lane runs every iteration (the loop bounds are the warp's, the lane's elements are guarded): the
+  // shuffles inside need the whole warp.
+  for (int base = 0; base < hidden; base += 32 * kVec * kSpan) {
+    const int h0 = base + lane * kVec;
     float acc[kSpan][kVec];
 #pragma unroll
     for (int u = 0; u < kSpan; ++u)
 #pragma unroll
       for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
-    for (int d0 = 0; d0 < a.num_ranks; d0 += 4) {
-      T vals[4][kSpan][kVec];
-      const T* rows[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int d = d0 + j;
-        rows[j] = nullptr;
-        if (d >= a.num_ranks || !mask[d]) continue;
-        if (d != a.me) {
-          rows[j] = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
-        } else {
-          const long long p = self_start + slot[d];
-          // a row the dispatch dropped comes back as zeros: adds nothing
-          if (p < a.valid_rows) rows[j] = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
-        }
+    for (int c0 = 0; c0 < count; c0 += 32) {
+      const T* my_row = first_row;
+      float my_w = first_w;
+      unsigned rest = first_set;
+      if (c0 > 0) {
+        my_row = nullptr;
+        my_w = 1.0f;
+        if (c0 + lane < count) item(c0 + lane, my_row, my_w);
+        rest = __ballot_sync(0xffffffffu, my_row != nullptr);
       }
+      while (rest != 0u) {  // uniform: a ballot
+        const T* rows[kGroup];
+        float ws[kGroup];  // the rows' weights (kWeighted)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (rows[j] == nullptr) continue;
+        for (int j = 0; j < kGroup; ++j) {
+          const int src = rest != 0u ? __ffs(rest) - 1 : 0;
+          const unsigned long long r = __shfl_sync(
+              0xffffffffu, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(my_row)), src);
+          if constexpr (kWeighted) ws[j] = __shfl_sync(0xffffffffu, my_w, src);
+          rows[j] = rest != 0u ? reinterpret_cast<const T*>(static_cast<uintptr_t>(r)) : nullptr;
+          rest &= rest - 1u;
+        }
+        T vals[kGroup][kSpan][kVec];
 #pragma unroll
-        for (int u = 0; u < kSpan; ++u) {
-          const int h = h0 + u * 32 * kVec;
-          if (h >= a.hidden) break;
-          if constexpr (kVec == 8) {
-            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
-          } else {
-            vals[j][u][0] = rows[j][h];
+        for (int j = 0; j < kGroup; ++j) {
+          if (rows[j] == nullptr) continue;
+#pragma unroll
+          for (int u = 0; u < kSpan; ++u) {
+            const int h = h0 + u * 32 * kVec;
+            if (h >= hidden) break;
+            if constexpr (kVec == 8) {
+              *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
+            } else {
+              vals[j][u][0] = rows[j][h];
+            }
           }
         }
-      }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (rows[j] == nullptr) continue;
+        for (int j = 0; j < kGroup; ++j) {
+          if (rows[j] == nullptr) continue;
 #pragma unroll
-        for (int u = 0; u < kSpan; ++u) {
-          if (h0 + u * 32 * kVec >= a.hidden) break;
+          for (int u = 0; u < kSpan; ++u) {
+            if (h0 + u * 32 * kVec >= hidden) break;
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) acc[u][v] = __fadd_rn(acc[u][v], to_float(vals[j][u][v]));
+            for (int v = 0; v < kVec; ++v) {
+              float f = to_float(vals[j][u][v]);
+              if constexpr (kWeighted) f = __fmul_rn(f, ws[j]);
+              acc[u][v] = __fadd_rn(acc[u][v], f);
+            }
+          }
         }
       }
     }
 #pragma unroll
     for (int u = 0; u < kSpan; ++u) {
       const int h = h0 + u * 32 * kVec;
-      if (h >= a.hidden) break;
+      if (h >= hidden) break;
       alignas(16) T bias[2][kVec];
-      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + t * a.hidden + h : nullptr);
-      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + t * a.hidden + h : nullptr);
+      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + h : nullptr);
+      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + h : nullptr);
       alignas(16) T res[kVec];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
@@ -198,6 +217,28 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
       store_group<T, kVec>(out + h, res);
     }
   }
+}
+
+// Token t's output: its partials summed over the members it went to, in ascending member order, then the
+// biases (one warp per token). A member's partial is its row in that member's region, or for this member
+// itself its row of partial (a row the dispatch dropped comes back as zeros: it adds nothing).
+template <typename T, int kVec, int kSpan, int kGroup>
+__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
+  const bool* mask = a.mask + t * a.num_ranks;
+  const long long* slot = a.send_slot + t * a.num_ranks;
+  auto member = [&](int d, const T*& row, float&) {
+    if (!mask[d]) return;
+    if (d != a.me) {
+      row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
+    } else {
+      const long long p = self_start + slot[d];
+      if (p < a.valid_rows) row = reinterpret_cast<const T*>(a.partial) + p * a.hidden;
+    }
+  };
+  const T* b0 = a.bias0 != nullptr ? static_cast<const T*>(a.bias0) + t * a.hidden : nullptr;
+  const T* b1 = a.bias1 != nullptr ? static_cast<const T*>(a.bias1) + t * a.hidden : nullptr;
+  sum_rows<T, kVec, kSpan, kGroup, false>(a.num_ranks, member, b0, b1, static_cast<T*>(a.out) + t * a.hidden,
+                                          a.hidden, lane);
 }
 
 // Two launches of one kernel: stage 0 (a single block) waits for every member's partials; stage 1, on
@@ -229,10 +270,10 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     const long long self_start = a.recv_starts[a.me];
     for (long long t = warp; t < a.num_tokens; t += warps) {
       if constexpr (sizeof(T) == 2) {
-        if (vec) reduce_token<T, 8, 2>(a, t, lane, self_start);
-        else reduce_token<T, 1, 4>(a, t, lane, self_start);
+        if (vec) reduce_token<T, 8, 2, 4>(a, t, lane, self_start);
+        else reduce_token<T, 1, 4, 4>(a, t, lane, self_start);
       } else {
-        reduce_token<T, 1, 4>(a, t, lane, self_start);
+        reduce_token<T, 1, 4, 4>(a, t, lane, self_start);
       }
     }
   }
@@ -256,62 +297,19 @@ struct ReduceExpandedArgs {
   int num_topk, hidden;
 };
 
-template <typename T, int kVec, int kSpan>
+template <typename T, int kVec, int kSpan, int kGroup>
 __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long long n, T* out, int lane) {
   const T* x = static_cast<const T*>(a.x);
   const long long* index = a.index + n * a.num_topk;
   const float* weights = a.weights != nullptr ? a.weights + n * a.num_topk : nullptr;
-  for (int h0 = lane * kVec; h0 < a.hidden; h0 += 32 * kVec * kSpan) {
-    float acc[kSpan][kVec];
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u)
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) acc[u][v] = 0.0f;
-    for (int k0 = 0; k0 < a.num_topk; k0 += 4) {
-      T vals[4][kSpan][kVec];
-      const T* rows[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // up to four slots' rows in flight before any is added
-        const int k = k0 + j;
-        rows[j] = k < a.num_topk && index[k] >= 0 ? x + index[k] * a.hidden : nullptr;
-        if (rows[j] == nullptr) continue;
-#pragma unroll
-        for (int u = 0; u < kSpan; ++u) {
-          const int h = h0 + u * 32 * kVec;
-          if (h >= a.hidden) break;
-          if constexpr (kVec == 8) {
-            *reinterpret_cast<int4*>(vals[j][u]) = *reinterpret_cast<const int4*>(rows[j] + h);
-          } else {
-            vals[j][u][0] = rows[j][h];
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (rows[j] == nullptr) continue;
-        const float w = weights != nullptr ? weights[k0 + j] : 1.0f;
-#pragma unroll
-        for (int u = 0; u < kSpan; ++u) {
-          if (h0 + u * 32 * kVec >= a.hidden) break;
-#pragma unroll
-          for (int v = 0; v < kVec; ++v) {
-            float f = to_float(vals[j][u][v]);
-            if (weights != nullptr) f = __fmul_rn(f, w);
-            acc[u][v] = __fadd_rn(acc[u][v], f);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u) {
-      const int h = h0 + u * 32 * kVec;
-      if (h >= a.hidden) break;
-      alignas(16) T res[kVec];
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) res[v] = from_float<T>(acc[u][v]);
-      store_group<T, kVec>(out + h, res);
-    }
-  }
+  auto slot = [&](int k, const T*& row, float& w) {
+    const long long e = index[k];
+    if (e < 0) return;
+    row = x + e * a.hidden;
+    if (weights != nullptr) w = weights[k];
+  };
+  if (weights != nullptr) sum_rows<T, kVec, kSpan, kGroup, true>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
+  else sum_rows<T, kVec, kSpan, kGroup, false>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
 }
 
 // Row n of reduce_expanded into out: 16-byte lanes where the rows allow them (vec) and out is aligned.
@@ -319,10 +317,10 @@ template <typename T>
 __device__ __forceinline__ void reduce_expanded_to(const ReduceExpandedArgs& a, long long n, T* out, bool vec,
                                                    int lane) {
   if constexpr (sizeof(T) == 2) {
-    if (vec && (reinterpret_cast<uintptr_t>(out) % 16) == 0) reduce_expanded_row<T, 8, 2>(a, n, out, lane);
-    else reduce_expanded_row<T, 1, 4>(a, n, out, lane);
+    if (vec && (reinterpret_cast<uintptr_t>(out) % 16) == 0) reduce_expanded_row<T, 8, 4, 2>(a, n, out, lane);
+    else reduce_expanded_row<T, 1, 4, 2>(a, n, out, lane);
   } else {
-    reduce_expanded_row<T, 1, 4>(a, n, out, lane);
+    reduce_expanded_row<T, 1, 4, 2>(a, n, out, lane);
   }
 }
 
