@@ -67,6 +67,7 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dist.barrier()  # the profilers start at different times on different PEs
             start.record()
             for _ in range(iters):
                 fn()
