@@ -100,8 +100,25 @@ def test_native_expand_maps_arguments() -> None:
     offsets, src_row, slot = (torch.zeros(n, dtype=torch.int64) for n in (4, 20, 20))
     index = torch.zeros(6, 2, dtype=torch.int64)
     ep.expand_maps(idx, kept, 16, offsets, src_row, slot, index)
-    assert_launch(ep.launchers["ep_expand_maps"], 0, 3, [
-        idx, kept, I64(12), I64(20), I32(2), I32(3), I32(16), offsets, src_row, slot, index, ep.status,
+    launch = ep.launchers["ep_expand_maps"]
+    head = [idx, kept, I64(12), I64(20), I32(2), I32(3), I32(16), offsets, src_row, slot, index, ep.status]
+    counts = launch.calls[0][1][12]  # the chunks x experts scratch the method allocates, the same for both
+    assert counts != 0
+    for stage in (0, 1):  # count, then rank: one chunk of at least 4096 entries
+        assert_launch(launch, stage, 1, [*head, Ptr(counts), I64(4096), I32(stage)])
+    # Many entries: at most 128 chunks, each a multiple of the 512-thread block.
+    big = torch.zeros(100000, 8, dtype=torch.int64)
+    ep.expand_maps(big, kept, 16, offsets, src_row, slot, big)
+    grid, values = launch.calls[2]
+    chunk = values[13]
+    assert chunk % 512 == 0 and grid == -(-800000 // chunk) <= 128 and values[14] == 0
+    # More local experts than the kernel's shared memory holds: one block per expert, every entry each.
+    many, wide = torch.zeros(1025, dtype=torch.int32), torch.zeros(1026, dtype=torch.int64)
+    ep.expand_maps(idx, many, 16, wide, src_row, slot, index)
+    assert len(launch.calls) == 5
+    assert_launch(launch, 4, 1024, [
+        idx, many, I64(12), I64(20), I32(2), I32(1025), I32(16), wide, src_row, slot, index, ep.status, Ptr(0),
+        I64(0), I32(2),
     ])  # fmt: skip
 
 

@@ -159,10 +159,12 @@ _NATIVE_BODIES = {
         "dispatch.cuh",
         """const long long* recv_topk_idx, const int* kept_counts, long long num_entries, long long out_rows,
     int num_topk, int num_local_experts, int alignment, long long* offsets, long long* src_row, long long* slot,
-    long long* index, const long long* status""",
+    long long* index, const long long* status, int* counts, long long chunk, int stage""",
         """lck_ep::ExpandMapsArgs a{recv_topk_idx, kept_counts, num_entries, out_rows, num_topk, num_local_experts,
-        alignment, offsets, src_row, slot, index, status};
-    lck_ep::expand_maps(a);""",
+        alignment, offsets, src_row, slot, index, status, counts, chunk, stage};
+    // stage 2: one block per local expert (more than expand_chunks' shared memory holds)
+    if (stage == 2) lck_ep::expand_maps(a);
+    else lck_ep::expand_chunks(a);""",
     ),
     "ep_dispatch_rows": (
         "dispatch.cuh",

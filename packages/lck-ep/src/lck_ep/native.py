@@ -57,6 +57,9 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3
 _COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _THREADS = 512
 _MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
+_SHARED_EXPERTS = 1024  # dispatch.cuh's kSharedExperts: expand_chunks takes up to this many local experts
+_MAPS_CHUNKS = 128  # expand_chunks: at most this many chunks (each block sums the counts of the ones before it)
+_MAPS_MIN_CHUNK = 4096  # and at least this many entries per chunk (a multiple of the 512-thread block)
 _REDUCE_BLOCKS = 1024  # reduce_expanded: one warp per received row, grid-strided past this many blocks
 # ep_dispatch_recv's optional outputs, in parameter order (0 where a call has none).
 _RECV_OUTPUTS = (
@@ -394,25 +397,35 @@ class NativeEp:
     ) -> None:
         """The expanded maps of the kept rows' routing (``recv_topk_idx`` [N, K], ``kept_counts`` [L]
         int32 from :meth:`receive`) into ``offsets`` [L + 1], ``src_row`` / ``slot`` [M], ``index``
-        [N, K]: :func:`lck_ep.expanded.build_expanded`'s result."""
+        [N, K]: :func:`lck_ep.expanded.build_expanded`'s result.
+
+        Up to ``_SHARED_EXPERTS`` local experts, two launches over chunks of the entries (a count, then the
+        ranks, with an int32 scratch of chunks x experts); more, one block per expert over every entry."""
         big_l = kept_counts.shape[0]
-        self.launchers["ep_expand_maps"](
-            min(big_l, _MAPS_BLOCKS),
-            [
-                recv_topk_idx.data_ptr(),
-                kept_counts.data_ptr(),
-                recv_topk_idx.numel(),
-                src_row.shape[0],
-                recv_topk_idx.shape[1],
-                big_l,
-                alignment,
-                offsets.data_ptr(),
-                src_row.data_ptr(),
-                slot.data_ptr(),
-                index.data_ptr(),
-                self._status,
-            ],
-        )
+        n = recv_topk_idx.numel()
+        head = [
+            recv_topk_idx.data_ptr(),
+            kept_counts.data_ptr(),
+            n,
+            src_row.shape[0],
+            recv_topk_idx.shape[1],
+            big_l,
+            alignment,
+            offsets.data_ptr(),
+            src_row.data_ptr(),
+            slot.data_ptr(),
+            index.data_ptr(),
+            self._status,
+        ]
+        launch = self.launchers["ep_expand_maps"]
+        if big_l > _SHARED_EXPERTS:
+            launch(min(big_l, _MAPS_BLOCKS), [*head, 0, 0, 2])
+            return
+        chunk = -(-max(_MAPS_MIN_CHUNK, -(-n // _MAPS_CHUNKS)) // 512) * 512
+        blocks = max(1, -(-n // chunk))
+        counts = torch.empty(blocks * big_l, dtype=torch.int32, device=recv_topk_idx.device)
+        for stage in (0, 1):
+            launch(blocks, [*head, counts.data_ptr(), chunk, stage])
 
     def copy_rows(
         self,

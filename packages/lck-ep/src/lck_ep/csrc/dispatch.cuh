@@ -327,6 +327,9 @@ struct ExpandMapsArgs {
   long long* slot;                 // [M]
   long long* index;                // [N * K]
   const long long* status;
+  int* counts;                     // expand_chunks: [C * L] entries per chunk and local expert
+  long long chunk;                 // expand_chunks: entries per chunk (a multiple of the block)
+  int stage;                       // expand_chunks: 0 count, 1 rank (expand_maps ignores it)
 };
 
 __device__ __forceinline__ long long round_up(long long v, int a) { return (v + a - 1) / a * a; }
@@ -410,6 +413,123 @@ __device__ inline void expand_maps(const ExpandMapsArgs& a) {
       }
       found += warp_base[nwarps];
       __syncthreads();  // warp_base is rewritten by the next chunk
+    }
+  }
+}
+
+// Exclusive prefix sum over a block of one value per thread; *total gets the block's sum (every thread).
+__device__ inline long long block_exclusive_scan(long long v, long long* scratch, long long* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  long long incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long acc = 0;
+    for (int w = 0; w < nwarps; ++w) {
+      const long long n = scratch[w];
+      scratch[w] = acc;
+      acc += n;
+    }
+    scratch[nwarps] = acc;
+  }
+  __syncthreads();
+  const long long ex = scratch[warp] + incl - v;
+  *total = scratch[nwarps];
+  __syncthreads();  // scratch is rewritten by the next call
+  return ex;
+}
+
+// The expanded maps (expand_maps' result) in two launches over C chunks of `chunk` consecutive entries, one
+// block each, for up to kSharedExperts local experts: expand_maps scanned every entry once per expert. Stage 0
+// counts each chunk's entries per local expert into counts[c * L + j] and marks the entries that are not local
+// (index -1). Stage 1 (stream-ordered after it) starts expert j's ranks in chunk c where its segment starts
+// plus its entries in chunks before c, and ranks the chunk's entries in entry order: the warps of a
+// block-wide step one after another, the lanes of a warp holding the same expert by __match_any_sync, so the
+// ranks are expand_maps' (expert, then row, then slot). Stage 1 also writes the offsets, the alignment
+// padding (expert j by block j mod C) and the capacity padding past the last segment (every block).
+__device__ inline void expand_chunks(const ExpandMapsArgs& a) {
+  __shared__ int hist[kSharedExperts];  // stage 0: the chunk's entries per expert; stage 1: ranks given so far
+  __shared__ int prior[kSharedExperts];  // stage 1: a lane group's rank before it, from its leader
+  __shared__ long long base[kSharedExperts];
+  __shared__ long long scratch[kThreads / 32 + 1];
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = !failed(a.status);
+  const int L = a.num_local_experts, K = a.num_topk;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) hist[j] = 0;
+  __syncthreads();
+  if (!ok) return;
+  const long long c = blockIdx.x;
+  const long long e_begin = c * a.chunk, e_end = min(a.num_entries, e_begin + a.chunk);
+  if (a.stage == 0) {
+    for (long long e = e_begin + threadIdx.x; e < e_end; e += blockDim.x) {
+      const long long v = a.recv_topk_idx[e];
+      if (v < 0) a.index[e] = -1;
+      else atomicAdd(hist + v, 1);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < L; j += blockDim.x) a.counts[c * L + j] = hist[j];
+    return;
+  }
+  // Where every expert's segment starts: the aligned counts of the experts before it (`per` each thread).
+  const int per = (L + blockDim.x - 1) / blockDim.x;
+  const int j0 = threadIdx.x * per, j1 = min(L, j0 + per);
+  long long mine = 0;
+  for (int j = j0; j < j1; ++j) mine += round_up(a.kept_counts[j], a.alignment);
+  long long end;
+  long long at = block_exclusive_scan(mine, scratch, &end);
+  for (int j = j0; j < j1; ++j) {
+    base[j] = at;
+    at += round_up(a.kept_counts[j], a.alignment);
+  }
+  __syncthreads();
+  if (c == 0) {
+    if (threadIdx.x == 0) a.offsets[0] = 0;
+    for (int j = threadIdx.x; j < L; j += blockDim.x)
+      a.offsets[j + 1] = base[j] + round_up(a.kept_counts[j], a.alignment);
+  }
+  for (long long j = c; j < L; j += gridDim.x) {
+    const long long from = base[j] + a.kept_counts[j], to = base[j] + round_up(a.kept_counts[j], a.alignment);
+    for (long long m = from + threadIdx.x; m < to; m += blockDim.x) {
+      a.src_row[m] = -1;
+      a.slot[m] = -1;
+    }
+  }
+  for (long long m = end + c * blockDim.x + threadIdx.x; m < a.out_rows;
+       m += static_cast<long long>(gridDim.x) * blockDim.x) {
+    a.src_row[m] = -1;
+    a.slot[m] = -1;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < L; j += blockDim.x) {
+    long long before = 0;
+    for (long long q = 0; q < c; ++q) before += a.counts[q * L + j];
+    base[j] += before;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (long long s0 = e_begin; s0 < e_end; s0 += blockDim.x) {
+    const long long e = s0 + threadIdx.x;
+    const int v = e < e_end ? static_cast<int>(a.recv_topk_idx[e]) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, v);
+    for (int w = 0; w < nwarps; ++w) {
+      if (warp == w && v >= 0) {
+        if (lane == __ffs(peers) - 1) {
+          prior[v] = hist[v];
+          hist[v] += __popc(peers);
+        }
+        __syncwarp(peers);
+        const long long r = base[v] + prior[v] + __popc(peers & below);
+        a.index[e] = r;
+        a.src_row[r] = e / K;
+        a.slot[r] = e % K;
+      }
+      __syncthreads();  // the next warp reads the ranks this one gave
     }
   }
 }
