@@ -58,7 +58,7 @@ _COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _THREADS = 512
 _MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
 _SHARED_EXPERTS = 1024  # dispatch.cuh's kSharedExperts: expand_chunks takes up to this many local experts
-_MAPS_CHUNKS = 128  # expand_chunks: at most this many chunks (each block sums the counts of the ones before it)
+_MAPS_CHUNKS = 128  # expand_chunks: at most this many chunks (a block sums the counts before its own)
 _MAPS_MIN_CHUNK = 4096  # and at least this many entries per chunk (a multiple of the 512-thread block)
 _REDUCE_BLOCKS = 1024  # reduce_expanded: one warp per received row, grid-strided past this many blocks
 # ep_dispatch_recv's optional outputs, in parameter order (0 where a call has none).
