@@ -128,9 +128,8 @@ __device__ __forceinline__ void store_group(T* dst, const T (&src)[kVec]) {
 // come from item(i, row, w) for i in [0, count), 32 at a time (lane i % 32 asks for item i; a null row is
 // skipped); the first 32 are asked for once for the whole row. kVec consecutive elements per lane (16-byte
 // accesses when 8), kSpan such groups per lane at once, and up to kGroup rows loaded for every group before
-// any is added: kGroup * kSpan loads in flight per lane, whichever lanes the rows are on (a row of eight
-// slots of which two are set no longer costs two round trips per group of elements). The grouping only
-// changes when loads are issued, not the order of the sums.
+// any is added: kGroup * kSpan loads in flight per lane, whichever lanes the rows are on (two set slots of
+// eight load in one round trip). The grouping only changes when loads are issued, not the order of the sums.
 template <typename T, int kVec, int kSpan, int kGroup, bool kWeighted, typename Item>
 __device__ inline void sum_rows(int count, Item item, const T* b0, const T* b1, T* out, int hidden, int lane) {
   const T* first_row = nullptr;
@@ -308,8 +307,10 @@ __device__ inline void reduce_expanded_row(const ReduceExpandedArgs& a, long lon
     row = x + e * a.hidden;
     if (weights != nullptr) w = weights[k];
   };
-  if (weights != nullptr) sum_rows<T, kVec, kSpan, kGroup, true>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
-  else sum_rows<T, kVec, kSpan, kGroup, false>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
+  if (weights != nullptr)
+    sum_rows<T, kVec, kSpan, kGroup, true>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
+  else
+    sum_rows<T, kVec, kSpan, kGroup, false>(a.num_topk, slot, nullptr, nullptr, out, a.hidden, lane);
 }
 
 // Row n of reduce_expanded into out: 16-byte lanes where the rows allow them (vec) and out is aligned.

@@ -13,11 +13,12 @@
 // row) into the caller's tensors, pads the rest of a capacity-sized output, and counts entries per local
 // expert. It runs on num_sms blocks (it spins on peers) and leaves the rows where they are.
 // dispatch_rows (every member): copies the rows out of the sources' regions (pulled), its own workspace
-// (pushed) or x (this member's own rows) into the output, compact or expert-major (each received row read once and stored at each of its
-// expanded rows), zeroing alignment padding, and then publishes that this member finished reading the
-// operation. It waits for nothing, so it runs on every SM.
-// Expanded dispatch (expand=True): between the two, expand_maps ranks every (row, slot) entry inside
-// its local expert (expert, then row, then slot: lck_ep.expanded's order).
+// (pushed) or x (this member's own rows) into the output, compact or expert-major (each received row read
+// once and stored at each of its expanded rows), zeroing alignment padding, and then publishes that this
+// member finished reading the operation. It waits for nothing, so it runs on every SM.
+// Expanded dispatch (expand=True): between the two, expand_chunks (expand_maps for more local experts than
+// its shared memory holds) ranks every (row, slot) entry inside its local expert (expert, then row, then
+// slot: lck_ep.expanded's order).
 //
 // Row layout in a region (row_stride bytes, 16-byte aligned): [x: x_bytes][pad to 4][src: int32]
 // [weights: float32 x K][local expert: int16 x K]; meta_offset is where src starts.
