@@ -30,14 +30,9 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import lck_runtime as L
-    from lck_ep.benchmark_native import dispatch_shape
+    from lck_ep.benchmark_native import profile_setup
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dev = torch.device("cuda", torch.cuda.current_device())
-    _, tokens, hidden, k, e = SHAPE
-    if not L.configure(moe=L.MoEConfig(max_tokens=tokens, hidden_size=hidden, num_experts=e, top_k=k)):
-        raise RuntimeError("the native runtime did not come up (NVSHMEM unavailable)")
-    _, x, idx, w, _, _, free, df, _ = dispatch_shape(SHAPE, rank, dev)
+    _, x, idx, w, _, _, free, df, _ = profile_setup(SHAPE, rank)
     calls = {
         "dispatch_sync_free": lambda: free.dispatch(x, idx, w),
         "dispatch_cached_sync_free": lambda: free.dispatch(x, handle=df.handle),

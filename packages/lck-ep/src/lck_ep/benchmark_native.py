@@ -314,6 +314,21 @@ def main_native(args: Any) -> int:
     return 0 if not any(r.error for r in records) else 1
 
 
+def profile_setup(shape: tuple[str, int, int, int, int], rank: int) -> tuple[Any, ...]:
+    """A profiling PE's start (``benchmarks/native_*_profile.py``): its GPU, a native MoE context sized for
+    ``shape``, then :func:`dispatch_shape`'s result. Collective."""
+    import torch
+
+    import lck_runtime as L
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    _, tokens, hidden, k, e = shape
+    if not L.configure(moe=L.MoEConfig(max_tokens=tokens, hidden_size=hidden, num_experts=e, top_k=k)):
+        raise RuntimeError("the native runtime did not come up (NVSHMEM unavailable)")
+    return dispatch_shape(shape, rank, dev)
+
+
 def pes_env(pes: int) -> dict[str, str]:
     """The environment of ``pes`` benchmark PEs: NVSHMEM on one host, modules loaded eagerly, output
     unbuffered; PEs share GPUs under MPS where fewer than ``pes`` are visible."""
