@@ -16,8 +16,9 @@ import pytest
 import torch
 from _launches import assert_launch, recording_launchers
 
+from lck_ep import native
 from lck_ep._hybrid_exchange import HybridEp
-from lck_ep.codegen import NATIVE_KINDS
+from lck_ep.codegen import CSRC_DIR, NATIVE_KINDS
 from lck_ep.hybrid_codegen import HYBRID_KINDS
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows, meta_offset
 from lck_runtime.jit import I32, I64, U64, Ptr
@@ -112,6 +113,9 @@ def test_native_expand_maps_arguments() -> None:
     grid, values = launch.calls[2]
     chunk = values[13]
     assert chunk % 512 == 0 and grid == -(-800000 // chunk) <= 128 and values[14] == 0
+    # The switch-over below is the kernel's own shared-memory limit.
+    cuh = (CSRC_DIR / "dispatch.cuh").read_text()
+    assert f"constexpr int kSharedExperts = {native._SHARED_EXPERTS};" in cuh
     # More local experts than the kernel's shared memory holds: one block per expert, every entry each.
     many, wide = torch.zeros(1025, dtype=torch.int32), torch.zeros(1026, dtype=torch.int64)
     ep.expand_maps(idx, many, 16, wide, src_row, slot, index)

@@ -59,7 +59,7 @@ _THREADS = 512
 _MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
 _SHARED_EXPERTS = 1024  # dispatch.cuh's kSharedExperts: expand_chunks takes up to this many local experts
 _MAPS_CHUNKS = 128  # expand_chunks: at most this many chunks (a block sums the counts before its own)
-_MAPS_MIN_CHUNK = 4096  # and at least this many entries per chunk (a multiple of the 512-thread block)
+_MAPS_MIN_CHUNK = 4096  # and at least this many entries per chunk
 _REDUCE_BLOCKS = 1024  # reduce_expanded: one warp per received row, grid-strided past this many blocks
 # ep_dispatch_recv's optional outputs, in parameter order (0 where a call has none).
 _RECV_OUTPUTS = (
@@ -421,7 +421,8 @@ class NativeEp:
         if big_l > _SHARED_EXPERTS:
             launch(min(big_l, _MAPS_BLOCKS), [*head, 0, 0, 2])
             return
-        chunk = -(-max(_MAPS_MIN_CHUNK, -(-n // _MAPS_CHUNKS)) // 512) * 512
+        # whole blocks of entries: expand_chunks steps through a chunk a block at a time
+        chunk = -(-max(_MAPS_MIN_CHUNK, -(-n // _MAPS_CHUNKS)) // _THREADS) * _THREADS
         blocks = max(1, -(-n // chunk))
         counts = torch.empty(blocks * big_l, dtype=torch.int32, device=recv_topk_idx.device)
         for stage in (0, 1):
