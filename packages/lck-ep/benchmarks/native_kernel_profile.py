@@ -3,8 +3,8 @@
 ``lck bench ep --pes N`` gives one time per operation; this splits it by kernel (send slots, sender, the
 receiver's wait and layout, the expanded maps, the row copy, the combine's sender and receiver) so that the
 kernel worth changing is the one measured to take the time. Every PE runs ``--iters`` calls of each kind
-(sync-free dispatch, cached dispatch, expanded dispatch, combine, expanded combine) under ``torch.profiler``
-at the DeepSeek-V3 shape; rank 0's device time per call and kernel is written to
+(sync-free dispatch, cached dispatch, expanded dispatch, combine, zero-copy combine, expanded combine) under
+``torch.profiler`` at the DeepSeek-V3 shape; rank 0's device time per call and kernel is written to
 ``<out>/native-kernel-profile-*.txt``. A sender's time includes its wait for the previous operation's readers
 and a receiver's first stage its wait for the senders: under MPS the PEs share the GPU, so the split is of
 this PE's stream, not of the GPU.
@@ -45,11 +45,13 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
 
     _, x, idx, w, _, _, free, df, _ = profile_setup(SHAPE, rank)
     de = free.dispatch(x, idx, w, expand=True, expert_alignment=128)
+    free.combine_input(df.handle).copy_(df.recv_x)  # the zero-copy rows: not zeros
     calls = {
         "dispatch_sync_free": lambda: free.dispatch(x, idx, w),
         "dispatch_cached_sync_free": lambda: free.dispatch(x, handle=df.handle),
         "dispatch_expanded_sync_free": lambda: free.dispatch(x, idx, w, expand=True, expert_alignment=128),
         "combine_sync_free": lambda: free.combine(df.recv_x, df.handle),
+        "combine_zero_copy_sync_free": lambda: free.combine(free.combine_input(df.handle), df.handle),
         "combine_expanded_sync_free": lambda: free.combine(
             de.recv_x, de.handle, topk_weights=de.recv_topk_weights
         ),

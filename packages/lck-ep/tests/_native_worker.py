@@ -156,6 +156,12 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     cn, _ = nat.combine(y, dn.handle, bias=tuple(b.to(dev) for b in bias) or None)
     cr, _ = ref.combine(y.cpu(), dr.handle, bias=bias or None)
     cmp("combine", cn, cr)
+    # the same combine from the zero-copy input: the sources read the rows where they were written
+    zy = nat.combine_input(dn.handle, dtype=y.dtype)
+    cmp("combine_input is the workspace", nat._native.takes_in_place(zy, dn.handle), True)
+    zy.copy_(y)
+    czn, _ = nat.combine(zy, dn.handle, bias=tuple(b.to(dev) for b in bias) or None)
+    cmp("zero-copy combine", czn, cr)
     rn = nat.dispatch(x2.to(dev), handle=dn.handle)
     rr = ref.dispatch(x2, handle=dr.handle)
     cmp("replay recv_x", in_use(rn.recv_x, dn.handle), in_use(rr.recv_x, dr.handle))
@@ -196,6 +202,15 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
         cn3, _ = nat.combine(y2, dn2.handle)  # no weights: plain sums of the expanded rows
         cr3, _ = ref.combine(y2.cpu(), dr2.handle)
         cmp("dropped: expanded unweighted combine", cn3, cr3)
+        # compact, from the zero-copy input: the dropped rows' slots add nothing
+        dn4 = nat.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_worst_tokens=nwt)
+        dr4 = ref.dispatch(x, idx, w, num_worst_tokens=nwt)
+        y4 = expert(dn4.recv_x, None, rank)
+        z4 = nat.combine_input(dn4.handle, dtype=y4.dtype)
+        z4.copy_(y4)
+        c4n, _ = nat.combine(z4, dn4.handle)
+        c4r, _ = ref.combine(y4.cpu(), dr4.handle)
+        cmp("dropped: zero-copy combine", c4n, c4r)
 
 
 def reference_send_slots(mask: torch.Tensor) -> torch.Tensor:
@@ -260,7 +275,9 @@ def _graph_and_loop(rank: int, world: int, seed: int, dev: torch.device) -> list
         y = expert(d.recv_x, d.handle.expert_offsets, rank)
         c, _ = buf.combine(y, d.handle, topk_weights=d.recv_topk_weights, bias=bb)
         p = buf.dispatch(xx, ii, ww)
-        c2, _ = buf.combine(expert(p.recv_x, None, rank), p.handle)
+        z = buf.combine_input(p.handle, dtype=p.recv_x.dtype)  # zero-copy: written in place, read there
+        z.copy_(expert(p.recv_x, None, rank))
+        c2, _ = buf.combine(z, p.handle)
         return c, c2
 
     side = torch.cuda.Stream()
@@ -326,6 +343,39 @@ def stop(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
             buf.dispatch(x, idx)
         except Exception as exc:
             out["later"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    L.finalize()
+    return out
+
+
+def mixed(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """Rank 0 combines from the zero-copy input, the others from a plain tensor: every rank must raise."""
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    configure(world, 16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(
+        dist.group.WORLD, 16, 64, 2, E_PER_RANK * world, sync_free=True, device=dev, timeout_s=timeout_s
+    )
+    x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
+    idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
+    d = buf.dispatch(x, idx)
+    y = expert(d.recv_x, None, rank)
+    if rank == 0:
+        z = buf.combine_input(d.handle)
+        z.copy_(y)
+        y = z
+    out: dict[str, Any] = {"backend": buf.backend}
+    t0 = time.perf_counter()
+    buf.combine(y, d.handle)
+    try:
+        buf.check_errors()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - t0
     dist.barrier()
     L.finalize()
     return out

@@ -108,6 +108,27 @@ def test_combine_sums_and_adds_bias_in_fp32(buf: Buffer) -> None:
     assert torch.equal(one[1], b0[1])  # a token sent nowhere combines to its bias
 
 
+def test_combine_input_off_the_native_backend_is_a_plain_tensor(group, buf: Buffer) -> None:
+    x, idx, w = _inputs()
+    for d in (buf.dispatch(x, idx, w), buf.dispatch(x, idx, w, expand=True, expert_alignment=4)):
+        rows = d.recv_x.shape[0]
+        for dtype in (torch.bfloat16, torch.float32):
+            y = buf.combine_input(d.handle, dtype=dtype)
+            assert y.shape == (rows, H) and y.dtype == dtype and y.device == buf.device
+            y.copy_(d.recv_x)
+            want, _ = buf.combine(d.recv_x.to(dtype), d.handle)
+            got, _ = buf.combine(y, d.handle)
+            assert torch.equal(got, want)
+    raises_with(TypeError, ["combine_input: dtype must be one of bfloat16, float16, float32"],
+                lambda: buf.combine_input(d.handle, dtype=torch.int32))  # fmt: skip
+    raises_with(
+        TypeError, ["combine_input: handle must be a DispatchHandle"], lambda: buf.combine_input(None)
+    )
+    other = Buffer(group, TMAX, H, K, E)
+    raises_with(ValueError, ["combine_input: handle comes from another Buffer"],
+                lambda: other.combine_input(d.handle))  # fmt: skip
+
+
 def test_sync_free_buffer_sizes_by_capacity(group) -> None:
     buf = Buffer(group, TMAX, H, K, E, sync_free=True)
     x, idx, w = _inputs()

@@ -187,6 +187,18 @@ def test_native_fp8_rows_equal_reference() -> None:
 
 
 @pytest.mark.gpu
+def test_a_combine_whose_ranks_take_their_input_differently_raises_on_every_rank() -> None:
+    from _native_worker import mixed
+
+    need_gpus(2)
+    outs = run_workers(mixed, 2, 5.0, timeout=TIMEOUT, env=gpu_env(2))
+    for r, o in enumerate(outs):
+        assert o["backend"] == "nvshmem", (r, o)
+        assert "must take its input the same way" in o.get("error", ""), (r, o)
+        assert o["seconds"] < 5.0, (r, o)  # found at once, not after the wait's bound
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound(world: int) -> None:
     from _native_worker import stop

@@ -78,6 +78,7 @@ class HybridEp(NativeEp):
     hybrid = True
     fuses_expanded_combine = False  # its combine-send kernels take reduced partial rows
     pulls_rows = False  # its senders store rows in the destinations' regions
+    zero_copy_combine = False  # its relays forward partial rows pushed to them
     _states = _STATES  # NativeEp.for_context's registry of this class
 
     def __init__(self, ctx: Any, device: torch.device) -> None:

@@ -6,7 +6,8 @@ each row is stored once in its sender's symmetric workspace and read by every de
 its output (pulled; the hybrid state's senders push rows into the destinations' workspaces instead), laid
 out by the receiver compact or (``expand=True``) expert-major with the expanded maps computed on the device;
 combine reduces an expanded handle's rows with a kernel and sums the partials on the source, both in
-the reference order.
+the reference order; a compact handle's partials written where ``Buffer.combine_input`` put them are read
+there by their sources, not copied (zero-copy).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def dispatch(
     assert plan.topk_idx is not None
     st: NativeEp = buf._native
     st.raise_if_failed()
+    st.armed = None  # the staged rows overwrite a zero-copy input handed out before
     big_l, dev = buf.num_local_experts, buf.device
     mask = layout.is_token_in_rank
     slots = st.send_slots(mask)
@@ -146,6 +148,7 @@ def replay(buf: BufferView, h: DispatchHandle, x: torch.Tensor) -> torch.Tensor:
     handle's rows go straight to their expanded places)."""
     st: NativeEp = buf._native
     st.raise_if_failed()
+    st.armed = None
     with torch.cuda.device(buf.device):
         sent = OutgoingRows(x, h.is_token_in_rank, h.send_slot, h.num_tokens_per_rank, None, None)
         st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
@@ -174,6 +177,8 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
     st: NativeEp = buf._native
     st.raise_if_failed()
     h = plan.handle
+    in_place = st.takes_in_place(plan.x, h)  # a zero-copy input (Buffer.combine_input): read where it is
+    st.armed = None
     with torch.cuda.device(buf.device):
         index = h.recv_expanded_index if h.expand else None
         assert index is not None or not h.expand
@@ -182,7 +187,9 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
         else:
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
         sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
-        if index is None:
+        if in_place:
+            st.publish_partials(sent, buf.timeout_ns)
+        elif index is None:
             st.send_partials(sent, buf.num_sms, buf.timeout_ns)
         else:
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
@@ -202,5 +209,6 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             plan.bias,
             buf.num_sms,
             buf.timeout_ns,
+            pull=in_place,
         )
     return out

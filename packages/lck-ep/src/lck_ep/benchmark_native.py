@@ -124,6 +124,14 @@ def _bench_shape(
     de = expanded()
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
+    # The expert outputs written straight into the workspace (Buffer.combine_input, filled once here: the
+    # expert kernel's own stores are not the combine's), read there by their sources.
+    free.combine_input(df.handle).copy_(df.recv_x)
+
+    def zero_copy() -> Any:
+        return free.combine(free.combine_input(df.handle), df.handle)
+
+    attempt("combine", "lck_nvshmem_sync_free_zero_copy", label, zero_copy, sent)
     combine_expanded = lambda: free.combine(de.recv_x, de.handle, topk_weights=de.recv_topk_weights)
     attempt("combine_expanded", "lck_nvshmem_sync_free", label, combine_expanded, sent)
     # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:

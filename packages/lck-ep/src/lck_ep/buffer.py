@@ -55,7 +55,15 @@ from lck_ep._construction import check_args, check_group, resolve_device
 # Re-exported: lck_ep.benchmark imports it from this module.
 from lck_ep._construction import kernel_layout_available as kernel_layout_available
 from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, agree
-from lck_ep.checks import CombinePlan, DispatchPlan, check_combine, check_dispatch, check_tensor
+from lck_ep.checks import (
+    X_DTYPES,
+    CombinePlan,
+    DispatchPlan,
+    check_combine,
+    check_dispatch,
+    check_handle,
+    check_tensor,
+)
 from lck_ep.events import Event
 from lck_ep.handle import DispatchHandle
 from lck_ep.knobs import current_knobs
@@ -466,6 +474,45 @@ class Buffer:
 
     # ------------------------------------------------------------------ combine
 
+    def combine_input(self, handle: DispatchHandle, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A ``[rows, hidden]`` tensor of ``dtype`` for ``handle``'s expert outputs, to write and then pass
+        as :meth:`combine`'s ``x`` (``rows``: one per received row, or per expanded row for an expanded
+        handle). Not collective.
+
+        On the native scale-up backend, for a compact handle, it is this rank's symmetric workspace: the
+        combine's sources read the rows where they were written instead of this rank copying them to
+        each source (zero-copy, about half the bytes the combine moves). It is handed out once every rank
+        has finished reading the last dispatch or combine (a wait ordered on the current stream before
+        whatever writes the rows) and stays valid until the next dispatch or combine of this group, which
+        overwrites it; every rank's combine must then take its input this way (a rank combining a plain
+        tensor instead makes every rank raise). Elsewhere (reference or hybrid backend, expanded handles,
+        rows that do not fit the workspace) it is a new tensor and :meth:`combine` copies as usual.
+        """
+        handle = check_handle(self, handle, where="combine_input")
+        if dtype not in X_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in X_DTYPES)
+            raise TypeError(f"combine_input: dtype must be one of {names}, got {dtype}")
+        rows = handle.num_rows_in
+        st = self._native
+        if st is not None and st.zero_copy_combine and not handle.expand:
+            st.raise_if_failed()
+            with torch.cuda.device(self.device):
+                view = st.combine_input(handle, rows, self.hidden, dtype, self.timeout_ns)
+            if view is not None:
+                return view
+        return torch.empty(rows, self.hidden, dtype=dtype, device=self.device)
+
+    def _check_zero_copy(self, plan: CombinePlan) -> None:
+        """Refuse a combine input inside the workspace that is not the live zero-copy input of this handle."""
+        st = self._native
+        if st is None or not st.aliases_workspace(plan.x) or st.takes_in_place(plan.x, plan.handle):
+            return
+        raise ValueError(
+            "combine: x lies in this group's native workspace but is not the input combine_input(handle) "
+            "handed out for this handle since the last dispatch or combine (which may have overwritten "
+            "it); call combine_input(handle) again before writing the rows"
+        )
+
     def combine(
         self,
         x: torch.Tensor,
@@ -478,7 +525,8 @@ class Buffer:
         Args:
             x: ``[N, hidden]`` (one row per received row of ``handle``'s dispatch, in that order) or,
                 for an expanded handle, ``[M, hidden]`` (one row per expanded row; padding rows are
-                ignored); bf16/fp16/fp32. The output has ``x``'s dtype.
+                ignored); bf16/fp16/fp32. The output has ``x``'s dtype. The tensor :meth:`combine_input`
+                returned for ``handle`` is read in place on the native backend.
             handle: the handle returned by this Buffer's dispatch.
             topk_weights: expanded handles only: ``[N, num_topk]`` float32 (dispatch's
                 ``recv_topk_weights``); each expanded row is multiplied by its slot's weight.
@@ -494,6 +542,7 @@ class Buffer:
         try:
             plan = check_combine(self, x, handle, topk_weights, bias)
             self._check_native_rows(plan, "combine")
+            self._check_zero_copy(plan)
         except (TypeError, ValueError) as exc:
             error = exc
         if capture.capturing(self.device):

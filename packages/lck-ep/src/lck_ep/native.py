@@ -80,6 +80,8 @@ _PHASES = {
     3: "combine, waiting for a source to finish reading the previous operation",
     4: "combine, waiting for a destination's partial rows",
 }
+# status[0] of a combine whose members took their input differently (ep_native.cuh)
+_MIXED_COMBINE = 4
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], dict[str, Any]] = {}
 _STATES: dict[int, NativeEp] = {}
@@ -233,6 +235,11 @@ class NativeEp:
     # to reads it from there (dispatch_send / dispatch_rows with pull). Pushing stores it once per member, into
     # that member's region, to be read again there; a state with other senders (the hybrid pair) pushes.
     pulls_rows = True
+    # Buffer.combine_input hands out this member's workspace for a compact handle's expert outputs, and the
+    # combine's sources read them there (ep_combine_zero_copy): the hybrid pair's relays need them pushed.
+    zero_copy_combine = True
+    # The handle whose zero-copy input combine_input handed out since the last operation (or None).
+    armed: Any = None
 
     def __init__(self, ctx: Any, device: torch.device) -> None:
         cfg = ctx.config
@@ -262,6 +269,8 @@ class NativeEp:
         """The addresses of the state's own buffers, read once: they live as long as the state, and every
         launch passes some of them. ``_done[i]``: grid ticket ``i`` (``done[i:i+1]``, without a view)."""
         self._ws = self.workspace.data_ptr()
+        # A zero-copy combine's table: the last W int64 of the regions; its rows may fill what is before.
+        self._table_offset = self.size * self.layout.region_bytes - 8 * self.size
         self._sig = self.signals.data_ptr()
         self._peer_ws = self.peer_ws.data_ptr()
         self._peer_sig = self.peer_sig.data_ptr()
@@ -294,6 +303,14 @@ class NativeEp:
         ranks = self.ctx.ranks
         if code == 1:
             detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
+        elif code == _MIXED_COMBINE:
+            how = ("a plain tensor", "Buffer.combine_input's zero-copy rows")
+            raise NativeTimeoutError(
+                f"lck_ep native backend on group rank {self.me}: {what}: group rank {who} (global rank "
+                f"{ranks[who]}) combined {how[seen]} while this rank combined {how[want]}: every member of a "
+                "combine must take its input the same way; this context's native state is unusable now "
+                "(finalize and configure again)"
+            )
         else:
             detail = f"group rank {who} (global rank {ranks[who]}) is at operation {seen}, expected {want}"
         raise NativeTimeoutError(
@@ -568,6 +585,51 @@ class NativeEp:
             ],
         )
 
+    # -- zero-copy combine -----------------------------------------------------------------------------
+    def combine_input(
+        self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int
+    ) -> torch.Tensor | None:
+        """``[rows, hidden]`` of ``dtype`` at the start of this member's workspace, for ``handle``'s expert
+        outputs, once every member has finished reading the last operation (a one-block wait, stream-ordered
+        before whatever writes the rows); None where the rows do not fit beside the table or ``dtype`` is not
+        one combine sums. Arms the combine of ``handle`` to read them there."""
+        nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+        if dtype not in _COMBINE_CODES or nbytes > self._table_offset:
+            return None
+        counts, starts = handle.recv_counts_device, handle.recv_starts
+        self.launchers["ep_combine_zero_copy"](1, self._zero_copy_args(counts, starts, rows, 0, timeout_ns))
+        self.armed = handle
+        return self.workspace[:nbytes].view(dtype).view(rows, hidden)
+
+    def takes_in_place(self, x: torch.Tensor, handle: Any) -> bool:
+        """Whether ``x`` is the zero-copy input :meth:`combine_input` handed out for ``handle``."""
+        return self.armed is handle and x.data_ptr() == self._ws
+
+    def aliases_workspace(self, x: torch.Tensor) -> bool:
+        return self._ws <= x.data_ptr() < self._ws + self.workspace.numel()
+
+    def _zero_copy_args(
+        self, counts: torch.Tensor, starts: torch.Tensor, valid_rows: int, stage: int, timeout_ns: int
+    ) -> list[int]:
+        return [
+            counts.data_ptr(),
+            starts.data_ptr(),
+            valid_rows,
+            self._peer_sig,
+            self._ws + self._table_offset,
+            self.size,
+            self.me,
+            stage,
+            self._status,
+            timeout_ns,
+        ]
+
+    def publish_partials(self, sent: OutgoingPartials, timeout_ns: int) -> None:
+        """A zero-copy combine's send: where each source's rows of ``sent.partial`` (this member's workspace)
+        start and how many are present, then every source told to read them."""
+        args = self._zero_copy_args(sent.recv_counts, sent.recv_starts, sent.partial.shape[0], 1, timeout_ns)
+        self.launchers["ep_combine_zero_copy"](1, args)
+
     def reduce_partials(
         self,
         partial: torch.Tensor,
@@ -578,7 +640,10 @@ class NativeEp:
         bias: tuple[torch.Tensor, ...],
         num_sms: int,
         timeout_ns: int,
+        pull: bool = False,
     ) -> None:
+        """Wait for every member's partial rows and sum each token's in the reference order into ``out``;
+        ``pull``: the members left them in their own workspaces (a zero-copy combine)."""
         lay = self.layout
         head = [
             partial.data_ptr(),
@@ -599,6 +664,7 @@ class NativeEp:
             self.me,
         ]
         tail = [_COMBINE_CODES[out.dtype], self._done[3], self._status, timeout_ns]
+        tail += [self._peer_ws, self._table_offset, int(pull)]
         launch = self.launchers["ep_combine_recv"]
         # Stage 0 waits (one block spins), stage 1 sums on every SM: see combine.cuh.
         launch(1, [*head, 0, *tail])

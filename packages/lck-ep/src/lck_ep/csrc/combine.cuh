@@ -57,7 +57,7 @@ __device__ inline void send_partial_rows(const CombineSendArgs& a, bool own_rows
     if (failed(a.status)) return;
     for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
       long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), op);
+      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, false));
     }
   });
 }
@@ -96,6 +96,9 @@ struct CombineRecvArgs {
   unsigned int* done;
   long long* status;
   unsigned long long timeout_ns;
+  const long long* peer_ws;    // [W] every member's workspace as mapped here
+  long long table_offset;      // where a zero-copy combine's table sits in every workspace
+  int pull;                    // 1: a zero-copy combine (read the members' rows where they wrote them)
 };
 
 // kVec consecutive elements of a row: one 16-byte access for 8 two-byte elements (the caller checked the
@@ -221,13 +224,21 @@ __device__ inline void sum_rows(int count, Item item, const T* b0, const T* b1, 
 // Token t's output: its partials summed over the members it went to, in ascending member order, then the
 // biases (one warp per token). A member's partial is its row in that member's region, or for this member
 // itself its row of partial (a row the dispatch dropped comes back as zeros: it adds nothing).
+// pulled (a zero-copy combine, else nullptr): member d's table entry for this member, (first row << 32) | rows
+// present; a slot at or past the rows present was dropped by a capacity-sized dispatch and adds nothing,
+// as the zeros a pushed combine sends for it (the sum starts from +0.0, which +0.0 leaves alone).
 template <typename T, int kVec, int kSpan, int kGroup>
-__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start) {
+__device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int lane, long long self_start,
+                                    const long long* pulled) {
   const bool* mask = a.mask + t * a.num_ranks;
   const long long* slot = a.send_slot + t * a.num_ranks;
   auto member = [&](int d, const T*& row, float&) {
     if (!mask[d]) return;
-    if (d != a.me) {
+    if (d != a.me && pulled != nullptr) {
+      const unsigned long long e = static_cast<unsigned long long>(pulled[d]);
+      if (slot[d] < static_cast<long long>(e & 0xffffffffull))
+        row = reinterpret_cast<const T*>(a.peer_ws[d]) + (static_cast<long long>(e >> 32) + slot[d]) * a.hidden;
+    } else if (d != a.me) {
       row = reinterpret_cast<const T*>(a.ws + d * a.region_bytes + slot[d] * a.row_stride);
     } else {
       const long long p = self_start + slot[d];
@@ -246,16 +257,31 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
 // reads, takes the whole GPU.
 template <typename T>
 __device__ inline void combine_recv(const CombineRecvArgs& a) {
-  __shared__ long long counts[kMaxRanks];
-  __shared__ long long starts[kMaxRanks + 1];
+  __shared__ long long pulled[kMaxRanks];  // a zero-copy combine's table entries for this member
   __shared__ bool ok;
   const unsigned long long op = current_op(a.my_sig, a.me);
   if (a.stage == 0) {
-    gather_arrivals(a.my_sig, a.num_ranks, kCombineArrived, 0, op, counts, starts, a.status,
-                    kPhaseCombineArrive, a.timeout_ns);
+    wait_each_member(a.num_ranks, a.status, [&](int s) {
+      const unsigned long long* w =
+          reinterpret_cast<const unsigned long long*>(a.my_sig + s * kSignalWords + kCombineArrived);
+      const unsigned long long v = wait_for(w, 1, op, true, a.status, kPhaseCombineArrive, s, a.timeout_ns);
+      if (v == ~0ull) return false;
+      if ((v & 1ull) != static_cast<unsigned long long>(a.pull)) {
+        report(a.status, 4, kPhaseCombineArrive, s, v & 1ull, a.pull, 0);
+        return false;
+      }
+      return true;
+    });
     return;
   }
   if (threadIdx.x == 0) ok = !failed(a.status);  // stage 0 failed: the partials are not all there
+  if (a.pull) {
+    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+      if (s == a.me) continue;
+      const uint8_t* table = reinterpret_cast<const uint8_t*>(a.peer_ws[s]) + a.table_offset;
+      pulled[s] = *reinterpret_cast<const volatile long long*>(table + a.me * sizeof(long long));
+    }
+  }
   __syncthreads();
   if (ok) {
     const int lane = threadIdx.x & 31;
@@ -267,16 +293,55 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
                      ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.partial) |
                        reinterpret_cast<uintptr_t>(a.bias0) | reinterpret_cast<uintptr_t>(a.bias1)) % 16) == 0;
     const long long self_start = a.recv_starts[a.me];
+    const long long* from = a.pull ? pulled : nullptr;
     for (long long t = warp; t < a.num_tokens; t += warps) {
       if constexpr (sizeof(T) == 2) {
-        if (vec) reduce_token<T, 8, 2, 4>(a, t, lane, self_start);
-        else reduce_token<T, 1, 4, 4>(a, t, lane, self_start);
+        if (vec) reduce_token<T, 8, 2, 4>(a, t, lane, self_start, from);
+        else reduce_token<T, 1, 4, 4>(a, t, lane, self_start, from);
       } else {
-        reduce_token<T, 1, 4, 4>(a, t, lane, self_start);
+        reduce_token<T, 1, 4, 4>(a, t, lane, self_start, from);
       }
     }
   }
   finish_receive(a.done, a.my_sig, a.me, op, a.status);
+}
+
+// A zero-copy combine's own launches, one block each (see ep_native.cuh). Stage 0, when Buffer.combine_input
+// hands out the workspace: wait until every member finished reading the last operation (a source's
+// staged rows, a destination's routing), so the expert outputs may overwrite it. Stage 1, at the combine:
+// write where each source's rows start and how many are present (a capacity-sized dispatch may have
+// dropped some), then tell every source that the rows are in place.
+struct CombineZeroCopyArgs {
+  const long long* recv_counts;  // [W] rows received from each source by the dispatch
+  const long long* recv_starts;  // [W + 1]
+  long long valid_rows;          // rows of the partial (the rest were dropped)
+  const long long* peer_sig;
+  long long* table;              // [W] in this member's workspace
+  int num_ranks, me, stage;
+  long long* status;
+  unsigned long long timeout_ns;
+};
+
+__device__ inline void combine_zero_copy(const CombineZeroCopyArgs& a) {
+  const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
+  const unsigned long long op = current_op(peer_sig[a.me], a.me);
+  if (a.stage == 0) {
+    wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseCombineFree, a.timeout_ns);
+    return;
+  }
+  if (failed(a.status)) return;
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+    const long long start = a.recv_starts[s];
+    const long long present = min(max(a.valid_rows - start, 0ll), a.recv_counts[s]);
+    a.table[s] = static_cast<long long>((static_cast<unsigned long long>(start) << 32) |
+                                        static_cast<unsigned long long>(present));
+  }
+  __threadfence_system();  // the table, and the rows the stream wrote before this launch
+  __syncthreads();
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+    long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
+    lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, true));
+  }
 }
 
 }  // namespace lck_ep

@@ -9,7 +9,10 @@
 //
 // Signals (int64 words, kSignalWords per member, in each member's symmetric signal array):
 //   [s * kSignalWords + kDispatchArrived]  (epoch << 32) | rows: source s finished its dispatch rows here;
-//   [s * kSignalWords + kCombineArrived]   epoch: source s finished its combine rows here;
+//   [s * kSignalWords + kCombineArrived]   (epoch << 1) | pulled: member s finished its combine rows for
+//                                          this member: pushed into its region s here (pulled 0), or left
+//                                          in place in s's own workspace (pulled 1: a zero-copy combine,
+//                                          where s's table says where this member's rows start);
 //   [me * kSignalWords + kOpsDone]         the last operation this member finished reading (its epoch).
 // Every dispatch, replay and combine of a context is one operation; all members run the same sequence,
 // so a device-side counter (kOpsDone) numbers them alike on every member without any host state, also
@@ -17,9 +20,16 @@
 // finished reading operation e - 1 (d's kOpsDone >= e - 1): a region is never overwritten while read,
 // and a source's staged rows are not either (it waits for every member before staging).
 //
+// A zero-copy combine: the hosts of the experts wrote their partial rows straight into their own workspaces
+// (Buffer.combine_input: [rows, hidden] from byte 0), after waiting for every member to finish reading the
+// last operation. Each then writes, at zero_copy_table(W) bytes of its workspace, entry s = (first row of
+// s's rows << 32) | rows of s present, and releases its arrival with pulled = 1; the sources read the rows
+// from there. Every member of one combine takes its input the same way (a mismatch is reported, code 4).
+//
 // Waits are bounded: a wait that outlasts timeout_ns records a diagnostic in status[] and the kernel
 // stops; later kernels of the context see the diagnostic and return at once, and the host raises it.
-//   status[0] 0 ok, 1 timed out, 2 out of step (a peer is an operation ahead or behind)
+//   status[0] 0 ok, 1 timed out, 2 out of step (a peer is an operation ahead or behind), 4 a combine whose
+//            members took their input differently (zero-copy on some, pushed on others)
 //   status[1] phase (kPhase*), status[2] the member waited for, status[3] the value seen,
 //   status[4] the value expected, status[5] nanoseconds waited
 #pragma once
@@ -84,6 +94,11 @@ __device__ inline unsigned long long wait_for(const unsigned long long* word, in
       }
     }
   }
+}
+
+// The value of a combine arrival word (see the signals above).
+__device__ __forceinline__ unsigned long long combine_arrival(unsigned long long op, bool pulled) {
+  return (op << 1) | (pulled ? 1ull : 0ull);
 }
 
 // The number of the operation a kernel belongs to: one past the last this member finished.
