@@ -158,7 +158,8 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     cmp("combine", cn, cr)
     # the same combine from the zero-copy input: the sources read the rows where they were written
     zy = nat.combine_input(dn.handle, dtype=y.dtype)
-    cmp("combine_input is the workspace", nat._native.takes_in_place(zy, dn.handle), True)
+    # in place on the native state (also with no rows received), a plain tensor on the hybrid one
+    cmp("combine_input in place", nat._native.takes_in_place(zy, dn.handle), nat._native.zero_copy_combine)
     zy.copy_(y)
     czn, _ = nat.combine(zy, dn.handle, bias=tuple(b.to(dev) for b in bias) or None)
     cmp("zero-copy combine", czn, cr)

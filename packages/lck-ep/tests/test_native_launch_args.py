@@ -311,10 +311,14 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
         assert_launch(launch, 1, 1, [*args, I32(1), ep.status, U64(9)])
     else:
         assert len(ep.launchers["ep_combine_send"].calls) == 1 and len(launch.calls) == 1
+    # a rank that received no rows combines in place too (its peers pull): an empty input has no address
+    empty = ep.combine_input(h, 0, 16, torch.bfloat16, 21)
+    assert empty.shape == (0, 16) and ep.takes_in_place(empty, h) and not ep.aliases_workspace(empty)
+    ep.armed = None
     # rows that would reach the table, or a dtype combine does not sum, are not handed out
     assert ep.combine_input(h, 1 << 16, 32, torch.bfloat16, 21) is None
     assert ep.combine_input(h, 6, 16, torch.float8_e4m3fn, 21) is None
-    assert len(launch.calls) == (2 if zero_copy else 1)
+    assert len(launch.calls) == (3 if zero_copy else 2)
 
 
 def test_hybrid_state_takes_no_zero_copy_input() -> None:

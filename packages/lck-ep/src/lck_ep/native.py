@@ -602,8 +602,9 @@ class NativeEp:
         return self.workspace[:nbytes].view(dtype).view(rows, hidden)
 
     def takes_in_place(self, x: torch.Tensor, handle: Any) -> bool:
-        """Whether ``x`` is the zero-copy input :meth:`combine_input` handed out for ``handle``."""
-        return self.armed is handle and x.data_ptr() == self._ws
+        """Whether ``x`` is the zero-copy input :meth:`combine_input` handed out for ``handle`` (a rank that
+        received no rows has an empty one, with no address: it still combines in place, as its peers do)."""
+        return self.armed is handle and (x.numel() == 0 or x.data_ptr() == self._ws)
 
     def aliases_workspace(self, x: torch.Tensor) -> bool:
         return self._ws <= x.data_ptr() < self._ws + self.workspace.numel()
