@@ -187,11 +187,10 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
         else:
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
         sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
-        if in_place:
-            st.publish_partials(sent, buf.timeout_ns)
-        elif index is None:
+        # A zero-copy input stays where it is: the receiver's waiting launch publishes where its rows are.
+        if index is None and not in_place:
             st.send_partials(sent, buf.num_sms, buf.timeout_ns)
-        else:
+        elif index is not None:
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
             if st.fuses_expanded_combine:  # reduced into the sources' regions, own rows into partial
                 st.send_expanded_partials(plan.x.contiguous(), index, w, sent, buf.num_sms, buf.timeout_ns)

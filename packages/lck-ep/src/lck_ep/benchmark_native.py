@@ -351,7 +351,7 @@ def pes_env(pes: int) -> dict[str, str]:
 
 
 def print_records(
-    records: list[Any], provider_width: int = 30, shape_width: int = 36, of_copy: bool = True
+    records: list[Any], provider_width: int = 34, shape_width: int = 36, of_copy: bool = True
 ) -> None:
     """The results table: per row bench, provider, shape, GPU / host / loop ms and GB/s, and with
     ``of_copy`` the fraction of the peer copy's rate; the error instead for a row that failed."""

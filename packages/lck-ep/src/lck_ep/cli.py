@@ -22,7 +22,7 @@ KERNEL_ROLES = {
     "ep_dispatch_recv": "dispatch, receiver (waits for the sources; routing laid out, counts per expert)",
     "ep_combine_send": "combine, sender (partial rows back to their sources)",
     "ep_combine_recv": "combine, receiver (float32 sum in rank order, bias, rounding)",
-    "ep_combine_zero_copy": "combine, zero-copy input (wait until the workspace is free; publish the rows' places)",
+    "ep_combine_zero_copy": "combine, zero-copy input (waits until every rank finished reading the workspace)",
     "ep_expand_maps": "dispatch, expanded maps (expert-major rank of every routed slot)",
     "ep_dispatch_rows": "dispatch, rows out of the workspace (compact or expert-major), then release",
     "ep_reduce_expanded": "combine, expanded rows reduced per received row (weighted, float32)",

@@ -207,9 +207,10 @@ _NATIVE_BODIES = {
         """const uint8_t* partial, long long valid_rows, const long long* recv_starts, const uint8_t* ws,
     long long* my_sig, long long region_bytes, long long row_stride, const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
     int num_tokens, int hidden, int num_ranks, int me, int stage, int dtype, unsigned int* done,
-    long long* status, unsigned long long timeout_ns, const long long* peer_ws, long long table_offset, int pull""",
+    long long* status, unsigned long long timeout_ns, const long long* peer_ws, const long long* peer_sig,
+    long long table_offset, int pull""",
         """lck_ep::CombineRecvArgs a{partial, valid_rows, recv_starts, ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
-        num_tokens, hidden, num_ranks, me, stage, done, status, timeout_ns, peer_ws, table_offset, pull};
+        num_tokens, hidden, num_ranks, me, stage, done, status, timeout_ns, peer_ws, peer_sig, table_offset, pull};
     // 0: bf16, 1: fp16, 2: fp32 (lck_ep.native)
     if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);
     else if (dtype == 1) lck_ep::combine_recv<__half>(a);
@@ -217,12 +218,9 @@ _NATIVE_BODIES = {
     ),
     "ep_combine_zero_copy": (
         "combine.cuh",
-        """const long long* recv_counts, const long long* recv_starts, long long valid_rows,
-    const long long* peer_sig, long long* table, int num_ranks, int me, int stage, long long* status,
-    unsigned long long timeout_ns""",
-        """lck_ep::CombineZeroCopyArgs a{recv_counts, recv_starts, valid_rows, peer_sig, table, num_ranks, me, stage,
-        status, timeout_ns};
-    lck_ep::combine_zero_copy(a);""",
+        """const long long* peer_sig, int num_ranks, int me, long long* status, unsigned long long timeout_ns""",
+        """lck_ep::combine_zero_copy_wait(reinterpret_cast<const long long* const*>(peer_sig), num_ranks, me, status,
+                                   timeout_ns);""",
     ),
     "ep_reduce_expanded": (
         "combine.cuh",

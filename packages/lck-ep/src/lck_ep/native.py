@@ -271,6 +271,7 @@ class NativeEp:
         self._ws = self.workspace.data_ptr()
         # A zero-copy combine's table: the last W int64 of the regions; its rows may fill what is before.
         self._table_offset = self.size * self.layout.region_bytes - 8 * self.size
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # combine_input's, by shape
         self._sig = self.signals.data_ptr()
         self._peer_ws = self.peer_ws.data_ptr()
         self._peer_sig = self.peer_sig.data_ptr()
@@ -586,20 +587,23 @@ class NativeEp:
         )
 
     # -- zero-copy combine -----------------------------------------------------------------------------
-    def combine_input(
-        self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int
-    ) -> torch.Tensor | None:
+    def combine_input(self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int) -> Any:
         """``[rows, hidden]`` of ``dtype`` at the start of this member's workspace, for ``handle``'s expert
         outputs, once every member has finished reading the last operation (a one-block wait, stream-ordered
-        before whatever writes the rows); None where the rows do not fit beside the table or ``dtype`` is not
-        one combine sums. Arms the combine of ``handle`` to read them there."""
-        nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
-        if dtype not in _COMBINE_CODES or nbytes > self._table_offset:
-            return None
-        counts, starts = handle.recv_counts_device, handle.recv_starts
-        self.launchers["ep_combine_zero_copy"](1, self._zero_copy_args(counts, starts, rows, 0, timeout_ns))
+        before whatever writes the rows); None where the rows do not fit before the table or ``dtype`` is not
+        one combine sums. Arms the combine of ``handle`` to read them there (:meth:`reduce_partials`)."""
+        key = (rows, hidden, dtype)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+            if dtype not in _COMBINE_CODES or nbytes > self._table_offset:
+                return None
+            view = self._views[key] = self.workspace[:nbytes].view(dtype).view(rows, hidden)
+        self.launchers["ep_combine_zero_copy"](
+            1, [self._peer_sig, self.size, self.me, self._status, timeout_ns]
+        )
         self.armed = handle
-        return self.workspace[:nbytes].view(dtype).view(rows, hidden)
+        return view
 
     def takes_in_place(self, x: torch.Tensor, handle: Any) -> bool:
         """Whether ``x`` is the zero-copy input :meth:`combine_input` handed out for ``handle`` (a rank that
@@ -608,28 +612,6 @@ class NativeEp:
 
     def aliases_workspace(self, x: torch.Tensor) -> bool:
         return self._ws <= x.data_ptr() < self._ws + self.workspace.numel()
-
-    def _zero_copy_args(
-        self, counts: torch.Tensor, starts: torch.Tensor, valid_rows: int, stage: int, timeout_ns: int
-    ) -> list[int]:
-        return [
-            counts.data_ptr(),
-            starts.data_ptr(),
-            valid_rows,
-            self._peer_sig,
-            self._ws + self._table_offset,
-            self.size,
-            self.me,
-            stage,
-            self._status,
-            timeout_ns,
-        ]
-
-    def publish_partials(self, sent: OutgoingPartials, timeout_ns: int) -> None:
-        """A zero-copy combine's send: where each source's rows of ``sent.partial`` (this member's workspace)
-        start and how many are present, then every source told to read them."""
-        args = self._zero_copy_args(sent.recv_counts, sent.recv_starts, sent.partial.shape[0], 1, timeout_ns)
-        self.launchers["ep_combine_zero_copy"](1, args)
 
     def reduce_partials(
         self,
@@ -644,7 +626,8 @@ class NativeEp:
         pull: bool = False,
     ) -> None:
         """Wait for every member's partial rows and sum each token's in the reference order into ``out``;
-        ``pull``: the members left them in their own workspaces (a zero-copy combine)."""
+        ``pull``: a zero-copy combine, where every member's rows stay in its own workspace (``partial`` here):
+        the waiting launch first publishes where this member's are, then reads the others' there."""
         lay = self.layout
         head = [
             partial.data_ptr(),
@@ -665,7 +648,7 @@ class NativeEp:
             self.me,
         ]
         tail = [_COMBINE_CODES[out.dtype], self._done[3], self._status, timeout_ns]
-        tail += [self._peer_ws, self._table_offset, int(pull)]
+        tail += [self._peer_ws, self._peer_sig, self._table_offset, int(pull)]
         launch = self.launchers["ep_combine_recv"]
         # Stage 0 waits (one block spins), stage 1 sums on every SM: see combine.cuh.
         launch(1, [*head, 0, *tail])

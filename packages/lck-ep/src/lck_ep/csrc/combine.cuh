@@ -97,9 +97,32 @@ struct CombineRecvArgs {
   long long* status;
   unsigned long long timeout_ns;
   const long long* peer_ws;    // [W] every member's workspace as mapped here
+  const long long* peer_sig;   // [W] every member's signal words as mapped here
   long long table_offset;      // where a zero-copy combine's table sits in every workspace
   int pull;                    // 1: a zero-copy combine (read the members' rows where they wrote them)
 };
+
+// A zero-copy combine's publication, by the receiver's waiting block before it waits: write where each
+// source's rows start in this member's partial rows (its workspace) and how many are present (a
+// capacity-sized dispatch may have dropped some), then tell every source that they are in place. The
+// rows were written by earlier work on the stream, after Buffer.combine_input's wait (ep_combine_zero_copy).
+__device__ inline void publish_in_place(const CombineRecvArgs& a, unsigned long long op) {
+  if (failed(a.status)) return;
+  long long* table = reinterpret_cast<long long*>(const_cast<uint8_t*>(a.ws) + a.table_offset);
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+    const long long start = a.recv_starts[s];
+    const long long present = min(max(a.valid_rows - start, 0ll), a.recv_starts[s + 1] - start);
+    table[s] = static_cast<long long>((static_cast<unsigned long long>(start) << 32) |
+                                      static_cast<unsigned long long>(present));
+  }
+  __threadfence_system();
+  __syncthreads();
+  const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+    long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
+    lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, true));
+  }
+}
 
 // kVec consecutive elements of a row: one 16-byte access for 8 two-byte elements (the caller checked the
 // alignment), else element by element. Stores of 8 separate 2-byte elements would take 8 store
@@ -261,6 +284,7 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
   __shared__ bool ok;
   const unsigned long long op = current_op(a.my_sig, a.me);
   if (a.stage == 0) {
+    if (a.pull) publish_in_place(a, op);
     wait_each_member(a.num_ranks, a.status, [&](int s) {
       const unsigned long long* w =
           reinterpret_cast<const unsigned long long*>(a.my_sig + s * kSignalWords + kCombineArrived);
@@ -306,42 +330,12 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
   finish_receive(a.done, a.my_sig, a.me, op, a.status);
 }
 
-// A zero-copy combine's own launches, one block each (see ep_native.cuh). Stage 0, when Buffer.combine_input
-// hands out the workspace: wait until every member finished reading the last operation (a source's
-// staged rows, a destination's routing), so the expert outputs may overwrite it. Stage 1, at the combine:
-// write where each source's rows start and how many are present (a capacity-sized dispatch may have
-// dropped some), then tell every source that the rows are in place.
-struct CombineZeroCopyArgs {
-  const long long* recv_counts;  // [W] rows received from each source by the dispatch
-  const long long* recv_starts;  // [W + 1]
-  long long valid_rows;          // rows of the partial (the rest were dropped)
-  const long long* peer_sig;
-  long long* table;              // [W] in this member's workspace
-  int num_ranks, me, stage;
-  long long* status;
-  unsigned long long timeout_ns;
-};
-
-__device__ inline void combine_zero_copy(const CombineZeroCopyArgs& a) {
-  const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
-  const unsigned long long op = current_op(peer_sig[a.me], a.me);
-  if (a.stage == 0) {
-    wait_peers_free(peer_sig, a.num_ranks, op, a.status, kPhaseCombineFree, a.timeout_ns);
-    return;
-  }
-  if (failed(a.status)) return;
-  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
-    const long long start = a.recv_starts[s];
-    const long long present = min(max(a.valid_rows - start, 0ll), a.recv_counts[s]);
-    a.table[s] = static_cast<long long>((static_cast<unsigned long long>(start) << 32) |
-                                        static_cast<unsigned long long>(present));
-  }
-  __threadfence_system();  // the table, and the rows the stream wrote before this launch
-  __syncthreads();
-  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
-    long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
-    lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, true));
-  }
+// Buffer.combine_input's wait, one block: until every member finished reading the last operation (a source's
+// staged rows, a destination's routing), so that the expert outputs may overwrite this member's workspace.
+__device__ inline void combine_zero_copy_wait(const long long* const* peer_sig, int num_ranks, int me,
+                                              long long* status, unsigned long long timeout_ns) {
+  const unsigned long long op = current_op(peer_sig[me], me);
+  wait_peers_free(peer_sig, num_ranks, op, status, kPhaseCombineFree, timeout_ns);
 }
 
 }  // namespace lck_ep

@@ -22,9 +22,9 @@
 //
 // A zero-copy combine: the hosts of the experts wrote their partial rows straight into their own workspaces
 // (Buffer.combine_input: [rows, hidden] from byte 0), after waiting for every member to finish reading the
-// last operation. Each then writes, at zero_copy_table(W) bytes of its workspace, entry s = (first row of
-// s's rows << 32) | rows of s present, and releases its arrival with pulled = 1; the sources read the rows
-// from there. Every member of one combine takes its input the same way (a mismatch is reported, code 4).
+// last operation. Each then writes, in the last W int64 of its regions, entry s = (first row of s's rows
+// << 32) | rows of s present, and releases its arrival with pulled = 1; the sources read the rows from
+// there. Every member of one combine takes its input the same way (a mismatch is reported, code 4).
 //
 // Waits are bounded: a wait that outlasts timeout_ns records a diagnostic in status[] and the kernel
 // stops; later kernels of the context see the diagnostic and return at once, and the host raises it.
