@@ -163,6 +163,13 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     zy.copy_(y)
     czn, _ = nat.combine(zy, dn.handle, bias=tuple(b.to(dev) for b in bias) or None)
     cmp("zero-copy combine", czn, cr)
+    if nat._native.zero_copy_combine:  # used up by that combine: refused before anything runs, until handed
+        try:  # out again (every rank here, an empty input too)
+            nat.combine(zy, dn.handle)
+            cmp.errors.append(f"rank {rank}: a second combine of one zero-copy input was not refused")
+        except ValueError as exc:
+            if "call combine_input(handle) again" not in str(exc):
+                cmp.errors.append(f"rank {rank}: second zero-copy combine: {exc}")
     rn = nat.dispatch(x2.to(dev), handle=dn.handle)
     rr = ref.dispatch(x2, handle=dr.handle)
     cmp("replay recv_x", in_use(rn.recv_x, dn.handle), in_use(rr.recv_x, dr.handle))

@@ -308,12 +308,33 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
     assert combine_input_view_reused(ep, h, y)
     # a rank that received no rows combines in place too (its peers pull): an empty input has no address
     empty = ep.combine_input(h, 0, 16, torch.bfloat16, 21)
-    assert empty.shape == (0, 16) and ep.takes_in_place(empty, h) and not ep.aliases_workspace(empty)
+    assert empty.shape == (0, 16) and ep.takes_in_place(empty, h) and ep.aliases_workspace(empty)
+    assert not ep.aliases_workspace(torch.empty(0, 16, dtype=torch.bfloat16))
     ep.armed = None
     # rows that would reach the table, or a dtype combine does not sum, are not handed out
     assert ep.combine_input(h, 1 << 16, 32, torch.bfloat16, 21) is None
     assert ep.combine_input(h, 6, 16, torch.float8_e4m3fn, 21) is None
     assert len(launch.calls) == 3
+
+
+def test_combine_refuses_a_workspace_tensor_combine_input_did_not_hand_out() -> None:
+    from lck_ep import Buffer
+    from lck_ep.checks import CombinePlan
+
+    ep = _state(NativeEp)
+    ep.workspace = torch.zeros(4096, dtype=torch.uint8)
+    ep._cache_addresses()
+    h, other = _compact_handle(), _compact_handle()
+    y = ep.combine_input(h, 6, 16, torch.bfloat16, 21)
+    buf = SimpleNamespace(_native=ep)
+    Buffer._check_zero_copy(buf, CombinePlan(y, h, None, ()))  # handed out for h: taken in place
+    Buffer._check_zero_copy(buf, CombinePlan(y.clone(), h, None, ()))  # a plain tensor: pushed
+    for stale in (CombinePlan(y, other, None, ()), CombinePlan(y[1:], h, None, ())):
+        with pytest.raises(ValueError, match=r"call combine_input\(handle\) again"):
+            Buffer._check_zero_copy(buf, stale)
+    ep.armed = None  # as after any other dispatch or combine of the group
+    with pytest.raises(ValueError, match="not the input combine_input"):
+        Buffer._check_zero_copy(buf, CombinePlan(y, h, None, ()))
 
 
 def combine_input_view_reused(ep: Any, h: Any, y: torch.Tensor) -> bool:

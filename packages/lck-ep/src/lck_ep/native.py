@@ -611,6 +611,10 @@ class NativeEp:
         return self.armed is handle and (x.numel() == 0 or x.data_ptr() == self._ws)
 
     def aliases_workspace(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` lies in this member's workspace, or is a view :meth:`combine_input` handed out (an
+        empty one has no address)."""
+        if any(x is v for v in self._views.values()):
+            return True
         return self._ws <= x.data_ptr() < self._ws + self.workspace.numel()
 
     def reduce_partials(
