@@ -293,7 +293,7 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
     ep._cache_addresses()
     ep.armed, ep.raise_if_failed = None, lambda: None
     h = _compact_handle()
-    y = ep.combine_input(h, 6, 16, torch.bfloat16, 21)
+    y = ep.combine_input(h, 6, 16, torch.bfloat16, 21, 8)
     assert y.shape == (6, 16) and y.dtype == torch.bfloat16 and y.data_ptr() == ep.workspace.data_ptr()
     assert ep.takes_in_place(y, h) and not ep.takes_in_place(y.clone(), h) and ep.aliases_workspace(y)
     launch = ep.launchers["ep_combine_zero_copy"]
@@ -307,13 +307,15 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
     assert len(ep.launchers["ep_combine_send"].calls) == int(not zero_copy) and len(launch.calls) == 1
     assert combine_input_view_reused(ep, h, y)
     # a rank that received no rows combines in place too (its peers pull): an empty input has no address
-    empty = ep.combine_input(h, 0, 16, torch.bfloat16, 21)
+    empty = ep.combine_input(h, 0, 16, torch.bfloat16, 21, 8)
     assert empty.shape == (0, 16) and ep.takes_in_place(empty, h) and ep.aliases_workspace(empty)
     assert not ep.aliases_workspace(torch.empty(0, 16, dtype=torch.bfloat16))
     ep.armed = None
     # rows that would reach the table, or a dtype combine does not sum, are not handed out
-    assert ep.combine_input(h, 1 << 16, 32, torch.bfloat16, 21) is None
-    assert ep.combine_input(h, 6, 16, torch.float8_e4m3fn, 21) is None
+    assert ep.combine_input(h, 1 << 16, 32, torch.bfloat16, 21, 8) is None
+    assert ep.combine_input(h, 6, 16, torch.float8_e4m3fn, 21, 8) is None
+    # a member whose own rows would fit still refuses when another member's could not (the bound decides)
+    assert ep.combine_input(h, 6, 32, torch.float32, 21, 1 << 16) is None
     assert len(launch.calls) == 3
 
 
@@ -325,7 +327,7 @@ def test_combine_refuses_a_workspace_tensor_combine_input_did_not_hand_out() -> 
     ep.workspace = torch.zeros(4096, dtype=torch.uint8)
     ep._cache_addresses()
     h, other = _compact_handle(), _compact_handle()
-    y = ep.combine_input(h, 6, 16, torch.bfloat16, 21)
+    y = ep.combine_input(h, 6, 16, torch.bfloat16, 21, 8)
     buf = SimpleNamespace(_native=ep)
     Buffer._check_zero_copy(buf, CombinePlan(y, h, None, ()))  # handed out for h: taken in place
     Buffer._check_zero_copy(buf, CombinePlan(y.clone(), h, None, ()))  # a plain tensor: pushed
@@ -339,7 +341,7 @@ def test_combine_refuses_a_workspace_tensor_combine_input_did_not_hand_out() -> 
 
 def combine_input_view_reused(ep: Any, h: Any, y: torch.Tensor) -> bool:
     """The same shape hands out the same view again (no new tensor per call)."""
-    return ep.combine_input(h, 6, 16, torch.bfloat16, 21) is y
+    return ep.combine_input(h, 6, 16, torch.bfloat16, 21, 8) is y
 
 
 def test_hybrid_state_takes_no_zero_copy_input() -> None:

@@ -486,7 +486,9 @@ class Buffer:
         whatever writes the rows) and stays valid until the next dispatch or combine of this group, which
         overwrites it; every rank's combine must then take its input this way (a rank combining a plain
         tensor instead makes every rank raise). Elsewhere (reference or hybrid backend, expanded handles,
-        rows that do not fit the workspace) it is a new tensor and :meth:`combine` copies as usual.
+        rows that would not fit the workspace at the Buffer's capacity, ``max_tokens_per_rank * W`` rows, as
+        float32 rows of a wide hidden size may not, alike on every rank) it is a new tensor and
+        :meth:`combine` copies as usual.
         """
         handle = check_handle(self, handle, where="combine_input")
         if dtype not in X_DTYPES:
@@ -497,7 +499,8 @@ class Buffer:
         if st is not None and st.zero_copy_combine and not handle.expand:
             st.raise_if_failed()
             with torch.cuda.device(self.device):
-                view = st.combine_input(handle, rows, self.hidden, dtype, self.timeout_ns)
+                most = self.num_ranks * self.max_tokens_per_rank  # rows any rank may receive
+                view = st.combine_input(handle, rows, self.hidden, dtype, self.timeout_ns, most)
             if view is not None:
                 return view
         return torch.empty(rows, self.hidden, dtype=dtype, device=self.device)

@@ -587,18 +587,24 @@ class NativeEp:
         )
 
     # -- zero-copy combine -----------------------------------------------------------------------------
-    def combine_input(self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int) -> Any:
+    def combine_input(
+        self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int, max_rows: int
+    ) -> Any:
         """``[rows, hidden]`` of ``dtype`` at the start of this member's workspace, for ``handle``'s expert
         outputs, once every member has finished reading the last operation (a one-block wait, stream-ordered
-        before whatever writes the rows); None where the rows do not fit before the table or ``dtype`` is not
-        one combine sums. Arms the combine of ``handle`` to read them there (:meth:`reduce_partials`)."""
+        before whatever writes the rows); None where ``dtype`` is not one combine sums or ``max_rows`` (the
+        most any member can receive) would not fit before the table: a bound the same on every member, so
+        that they all take the same way. Arms the combine of ``handle`` to read them there
+        (:meth:`reduce_partials`)."""
         key = (rows, hidden, dtype)
         view = self._views.get(key)
         if view is None:
-            nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
-            if dtype not in _COMBINE_CODES or nbytes > self._table_offset:
+            if dtype not in _COMBINE_CODES:
                 return None
-            view = self._views[key] = self.workspace[:nbytes].view(dtype).view(rows, hidden)
+            size = torch.empty((), dtype=dtype).element_size()
+            if max(rows, max_rows) * hidden * size > self._table_offset:
+                return None
+            view = self._views[key] = self.workspace[: rows * hidden * size].view(dtype).view(rows, hidden)
         self.launchers["ep_combine_zero_copy"](
             1, [self._peer_sig, self.size, self.me, self._status, timeout_ns]
         )
