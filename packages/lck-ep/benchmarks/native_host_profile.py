@@ -12,14 +12,10 @@ writes rank 0's statistics, by own time and by cumulative time, to ``<out>/nativ
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import datetime as _dt
 import io
-import os
 import pstats
 import time
-from pathlib import Path
 from typing import Any
 
 SHAPE = ("dsv3", 128, 7168, 8, 256)
@@ -63,26 +59,14 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from lck_ep.benchmark_native import pes_env
-    from lck_runtime.benchmarking import gpu_slug
-    from lck_runtime.testing import run_workers
+def _section(name: str, rec: dict[str, Any]) -> list[str]:
+    return [f"## {name}: {rec['host_ms_profiled']:.3f} ms per call under cProfile", rec["stats"]]
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--iters", type=int, default=200)
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    per_rank = run_workers(_profile_rank, 2, args.iters, backend="gloo", timeout=600, env=pes_env(2))
-    commit = os.environ.get("LCK_COMMIT", "unknown")[:7]
-    path = args.out / f"native-host-profile-{gpu_slug()}-{_dt.date.today().isoformat()}-{commit}.txt"
-    lines = [f"# {__doc__.splitlines()[0]}", f"# commit {commit}, {args.iters} calls per kind, rank 0", ""]
-    for name, rec in per_rank[0].items():
-        lines += [f"## {name}: {rec['host_ms_profiled']:.3f} ms per call under cProfile", rec["stats"], ""]
-    path.write_text("\n".join(lines))
-    print("\n".join(lines)[:20000])
-    print("wrote", path)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from lck_ep.benchmark_native import profile_main
+
+    return profile_main(argv, __doc__, _profile_rank, "host", SHAPE, _section, pes=2, iters=200)
 
 
 if __name__ == "__main__":

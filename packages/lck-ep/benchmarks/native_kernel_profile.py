@@ -15,10 +15,6 @@ this PE's stream, not of the GPU.
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import os
-from pathlib import Path
 from typing import Any
 
 SHAPE = ("dsv3", 4096, 7168, 8, 256)
@@ -77,38 +73,17 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from lck_ep.benchmark_native import pes_env
-    from lck_runtime.benchmarking import gpu_slug
-    from lck_runtime.testing import run_workers
+def _section(name: str, rec: dict[str, Any]) -> list[str]:
+    lines = [f"## {name}: {rec['ms_per_call']:.3f} ms per call (events around the loop)"]
+    lines.append(f"{'kernel':<60}{'launches':>9}{'us per call':>13}")
+    lines += [f"{kernel[:60]:<60}{n:>9}{us:>13.1f}" for kernel, n, us in rec["kernels"]]
+    return lines
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--pes", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    per_rank = run_workers(
-        _profile_rank, args.pes, args.iters, backend="gloo", timeout=600, env=pes_env(args.pes)
-    )
-    commit = os.environ.get("LCK_COMMIT", "unknown")[:7]
-    stem = f"native-kernel-profile-{gpu_slug()}-pes{args.pes}-{_dt.date.today().isoformat()}-{commit}.txt"
-    lines = [
-        f"# {__doc__.splitlines()[0]}",
-        f"# commit {commit}, {args.pes} PEs, {SHAPE}, {args.iters} calls per kind back to back, rank 0",
-        "",
-    ]
-    for name, rec in per_rank[0].items():
-        lines.append(f"## {name}: {rec['ms_per_call']:.3f} ms per call (events around the loop)")
-        lines.append(f"{'kernel':<60}{'launches':>9}{'us per call':>13}")
-        for kernel, n, us in rec["kernels"]:
-            lines.append(f"{kernel[:60]:<60}{n:>9}{us:>13.1f}")
-        lines.append("")
-    path = args.out / stem
-    path.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print("wrote", path)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from lck_ep.benchmark_native import profile_main
+
+    return profile_main(argv, __doc__, _profile_rank, "kernel", SHAPE, _section, pes=8, iters=20)
 
 
 if __name__ == "__main__":

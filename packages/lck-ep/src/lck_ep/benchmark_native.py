@@ -337,6 +337,53 @@ def profile_setup(shape: tuple[str, int, int, int, int], rank: int) -> tuple[Any
     return dispatch_shape(shape, rank, dev)
 
 
+def profile_main(
+    argv: list[str] | None,
+    doc: str,
+    worker: Any,
+    kind: str,
+    shape: tuple[str, int, int, int, int],
+    section: Any,
+    *,
+    pes: int,
+    iters: int,
+) -> int:
+    """A native profile script's ``main`` (``benchmarks/native_*_profile.py``): ``--out``, ``--pes`` and
+    ``--iters`` (defaults ``pes``, ``iters``), ``worker(rank, world, iters)`` on every PE, then rank 0's
+    records (``{name: record}``), each as the lines ``section(name, record)`` gives, under a header, into
+    ``<out>/native-<kind>-profile-<gpu>-pes<N>-<date>-<commit>.txt``."""
+    import argparse
+    import datetime as _dt
+    import os
+    from pathlib import Path
+
+    from lck_runtime.benchmarking import gpu_slug
+    from lck_runtime.testing import run_workers
+
+    title = doc.splitlines()[0]
+    p = argparse.ArgumentParser(description=title)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pes", type=int, default=pes)
+    p.add_argument("--iters", type=int, default=iters)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_rank = run_workers(worker, args.pes, args.iters, backend="gloo", timeout=600, env=pes_env(args.pes))
+    commit = os.environ.get("LCK_COMMIT", "unknown")[:7]
+    date = _dt.date.today().isoformat()
+    path = args.out / f"native-{kind}-profile-{gpu_slug()}-pes{args.pes}-{date}-{commit}.txt"
+    lines = [
+        f"# {title}",
+        f"# commit {commit}, {args.pes} PEs, {shape}, {args.iters} calls per kind, rank 0",
+        "",
+    ]
+    for name, rec in per_rank[0].items():
+        lines += [*section(name, rec), ""]
+    path.write_text("\n".join(lines))
+    print("\n".join(lines)[:20000])
+    print("wrote", path)
+    return 0
+
+
 def pes_env(pes: int) -> dict[str, str]:
     """The environment of ``pes`` benchmark PEs: NVSHMEM on one host, modules loaded eagerly, output
     unbuffered; PEs share GPUs under MPS where fewer than ``pes`` are visible."""

@@ -601,7 +601,7 @@ class NativeEp:
         if view is None:
             if dtype not in _COMBINE_CODES:
                 return None
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             if max(rows, max_rows) * hidden * size > self._table_offset:
                 return None
             view = self._views[key] = self.workspace[: rows * hidden * size].view(dtype).view(rows, hidden)
