@@ -101,10 +101,13 @@ def agree(
         )
         vec = torch.cat([vec, tail])
     world = dist.get_world_size(group)
-    parts = [torch.empty_like(vec) for _ in range(world)]
-    dist.all_gather(parts, vec, group=group)
-    table = torch.stack(parts).cpu()
-    failed = [r for r in range(world) if int(table[r, 0]) != 0]
+    gathered = vec.new_empty(world, vec.numel())
+    dist.all_gather(list(gathered.unbind(0)), vec, group=group)
+    table = gathered.cpu()
+    # The verdicts read the status and digest columns as Python ints, converted at once: a torch op per
+    # field and rank had cost the host several times the all-gather itself.
+    heads = table[:, : 1 + n].tolist()
+    failed = [r for r in range(world) if heads[r][0] != 0]
     if failed:
         local = None
         if local_error is not None:
@@ -125,13 +128,11 @@ def agree(
         exc_type = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         # The local message already names the operation; prefix the rank so every rank reads the same.
         raise exc_type(f"rank {first}: {text}{also}")
-    digests = table[:, 1 : 1 + n]
-    for i, field in enumerate(fields):
-        column = digests[:, i]
-        if bool((column != column[0]).any()):
-            values = ", ".join(f"rank {r}: {_show(field, int(column[r]))}" for r in range(world))
+    for i, field in enumerate(fields, start=1):
+        if any(row[i] != heads[0][i] for row in heads):
+            values = ", ".join(f"rank {r}: {_show(field, heads[r][i])}" for r in range(world))
             # Worded from the gathered table only, so that it reads the same on every rank.
-            op = OPS.get(int(digests[0, 0]), "call")
+            op = OPS.get(heads[0][1], "call")
             raise ValueError(
                 f"Buffer.{op}: ranks disagree on {field} ({values}); every rank of the group must make "
                 "the same call with the same parameters"

@@ -423,17 +423,18 @@ class Buffer:
                 recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
             return DispatchOutput(self._unpacked(recv_x, given), None, None, plan.handle, Event(self.device))
         assert layout is not None
-        bad_ranks = [s for s in range(w) if int(table[s, 0])]
+        # Each rank's flag and tokens per rank as Python ints at once (an op per element costs the host more).
+        heads = table[:, : 1 + w].tolist()
+        bad_ranks = [s for s in range(w) if heads[s][0]]
         if bad_ranks:
             raise ValueError(
                 f"dispatch: topk_idx on rank {bad_ranks[0]} has entries outside [-1, {e}) "
                 f"(expected -1 or a global expert index; ranks with such entries: {bad_ranks})"
             )
-        per_rank = table[:, 1 : 1 + w]
-        per_expert = table[:, 1 + w :]
-        send_counts = [int(v) for v in per_rank[r].tolist()]
-        recv_counts = [int(v) for v in per_rank[:, r].tolist()]
-        per_local = [int(v) for v in per_expert[:, r * big_l : (r + 1) * big_l].sum(0).tolist()]
+        send_counts = heads[r][1:]
+        recv_counts = [heads[s][1 + r] for s in range(w)]
+        mine = 1 + w + r * big_l  # this rank's experts' columns
+        per_local = table[:, mine : mine + big_l].sum(0).tolist()
         if self._native is not None:
             got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local))
         else:

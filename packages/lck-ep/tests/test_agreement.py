@@ -1,0 +1,57 @@
+"""The host cost of the agreement every synced call and Buffer construction makes (:mod:`lck_ep.agreement`):
+its torch calls per agreement stay a handful, whatever the number of digest fields, ranks and experts, so
+that it costs about its all-gather. (A torch op per field and per rank had cost the host several times the
+all-gather itself on every synced dispatch and combine.) The verdicts themselves are tested with the calls
+that make them (``test_reference.py``, ``test_capture.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lck_runtime.testing import run_workers
+
+# torch calls of one agreement with an extra part: the head tensor, the extra's conversion and reshape, the
+# concatenation, its length, the output and its rows, the all-gather, the host copy, the head columns and
+# their conversion to Python ints, the returned columns (71 before they were read as Python ints).
+BUDGET = 12
+
+
+def _count_torch_calls(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    from lck_ep.agreement import DIGEST_FIELDS, agree
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    experts = 256
+    n = 1 + world + experts
+    extra = torch.arange(n, dtype=torch.int64)
+    digest = [1] * len(DIGEST_FIELDS)
+    agree(group, cpu, None, DIGEST_FIELDS, digest, extra, n)  # warm the group up
+    out: dict[str, Any] = {}
+    with Count() as c:
+        table = agree(group, cpu, None, DIGEST_FIELDS, digest, extra, n)
+    out["with extra"] = c.names
+    out["table"] = table.tolist()
+    with Count() as c:
+        agree(group, cpu, None, DIGEST_FIELDS, digest, None, 0)
+    out["without extra"] = c.names
+    return out
+
+
+def test_agreement_makes_a_handful_of_torch_calls() -> None:
+    for rank, out in enumerate(run_workers(_count_torch_calls, 2, timeout=120)):
+        assert len(out["with extra"]) <= BUDGET, (rank, out["with extra"])
+        assert len(out["without extra"]) <= BUDGET, (rank, out["without extra"])
+        # every rank's extra part comes back in rank order
+        assert out["table"] == [list(range(1 + 2 + 256))] * 2
