@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lck_ep.codegen import NATIVE_THREADS
 from lck_ep.hybrid import (
     HybridBudgetError,
     HybridPlan,
@@ -43,7 +44,7 @@ from lck_ep.native import (
 
 __all__ = ["HybridEp", "host_streams"]
 
-_THREADS = 512
+_THREADS = NATIVE_THREADS  # the block the hybrid kernels are built for (hybrid_codegen)
 _HYBRID_PHASES = {
     5: "hybrid dispatch, forwarder waiting for a source's sub-part puts",
     6: "hybrid dispatch, a sub-part header did not validate",

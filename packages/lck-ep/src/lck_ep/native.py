@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lck_ep.codegen import NATIVE_KERNELS, NATIVE_KINDS, native_spec
+from lck_ep.codegen import NATIVE_KERNELS, NATIVE_KINDS, NATIVE_THREADS, native_spec
 from lck_ep.knobs import EpKnobs, read_knobs
 from lck_runtime.jit import Jit
 
@@ -55,7 +55,7 @@ DEFAULT_NUM_SMS = 24  # channels (blocks) of the sending kernels unless the Buff
 # the workspace's rows, which the runtime sizes for 2-byte hidden states (:func:`row_fits`).
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _COMBINE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_THREADS = 512
+_THREADS = NATIVE_THREADS  # the block every native kernel is built for and launched with
 _MAPS_BLOCKS = 1024  # expand_maps: one block per local expert up to this many, then grid-strided
 _SHARED_EXPERTS = 1024  # dispatch.cuh's kSharedExperts: expand_chunks takes up to this many local experts
 _MAPS_CHUNKS = 128  # expand_chunks: at most this many chunks (a block sums the counts before its own)
