@@ -389,6 +389,54 @@ def mixed(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     return out
 
 
+def agreement(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """Synced calls agreeing through the workspaces (run with EP_DEVICE_AGREEMENT=1): a dispatch and combine
+    equal to the reference's; ranks asking for different layouts, and one rank's bad argument, raise the
+    same error on every rank; then the last rank stops calling and the others' next dispatch raises
+    within the bound, naming the agreement."""
+    import torch.distributed as dist
+
+    import lck_runtime as L
+    from lck_ep import Buffer
+
+    configure(world, 16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    args = (dist.group.WORLD, 16, 64, 2, E_PER_RANK * world)
+    buf = Buffer(*args, device=dev, timeout_s=timeout_s)
+    ref = Buffer(*args, device="cpu", backend="reference")
+    out: dict[str, Any] = {"backend": buf.backend, "device_agreement": buf._gather is not None}
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, E_PER_RANK * world, (16, 2), generator=g)
+    d, r = buf.dispatch(x.to(dev), idx.to(dev)), ref.dispatch(x, idx)
+    cmp = Compare(rank, "device agreement")
+    cmp("recv_x", d.recv_x, r.recv_x)
+    cmp("recv_topk_idx", d.recv_topk_idx, r.recv_topk_idx)
+    cmp("per-expert list", d.num_recv_tokens_per_expert_list, r.num_recv_tokens_per_expert_list)
+    y = expert(d.recv_x, None, rank)
+    cmp("combine", buf.combine(y, d.handle).combined_x, ref.combine(y.cpu(), r.handle).combined_x)
+    out["errors"] = cmp.errors
+    try:
+        buf.dispatch(x.to(dev), idx.to(dev), expand=rank == 1)
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+    try:
+        buf.dispatch(x.to(dev), (idx.int() if rank == 0 else idx).to(dev))
+    except (TypeError, ValueError) as exc:
+        out["local"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if rank != world - 1:
+        t0 = time.perf_counter()
+        try:
+            buf.dispatch(x.to(dev), idx.to(dev))
+        except Exception as exc:
+            out["stop"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.perf_counter() - t0
+    dist.barrier()
+    L.finalize()
+    return out
+
+
 def stalled_dispatch(buf: Any, world: int, dev: torch.device, out: dict[str, Any]) -> tuple[Any, Any]:
     """A sync-free dispatch of 16 rows that a stopped rank never answers: what ``check_errors`` raised
     goes to ``out["error"]``, the seconds until it did to ``out["seconds"]``; returns the inputs."""

@@ -55,3 +55,57 @@ def test_agreement_makes_a_handful_of_torch_calls() -> None:
         assert len(out["without extra"]) <= BUDGET, (rank, out["without extra"])
         # every rank's extra part comes back in rank order
         assert out["table"] == [list(range(1 + 2 + 256))] * 2
+
+
+def _through_gather(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from lck_ep.agreement import DIGEST_FIELDS, agree
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    calls: list[int] = []
+
+    def gather(vec: torch.Tensor) -> torch.Tensor:  # what NativeEp.all_gather returns, over gloo here
+        calls.append(vec.numel())
+        parts = [torch.empty_like(vec) for _ in range(world)]
+        dist.all_gather(parts, vec, group=group)
+        return torch.stack(parts)
+
+    digest = [1] * len(DIGEST_FIELDS)
+    extra = torch.tensor([10 + rank, 20 + rank])
+    out: dict[str, Any] = {"table": agree(group, cpu, None, DIGEST_FIELDS, digest, extra, 2, gather).tolist()}
+    other = [1] * len(DIGEST_FIELDS)
+    other[DIGEST_FIELDS.index("hidden")] = 7 + rank
+    try:
+        agree(group, cpu, None, DIGEST_FIELDS, other, None, 2, gather)
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+    try:
+        agree(
+            group,
+            cpu,
+            TypeError("x is float64") if rank == 1 else None,
+            DIGEST_FIELDS,
+            digest,
+            None,
+            2,
+            gather,
+        )
+    except TypeError as exc:
+        out["local"] = str(exc)
+    out["calls"] = calls
+    return out
+
+
+def test_agreement_through_a_gather_function_reaches_the_same_verdicts() -> None:
+    """``agree(..., gather)`` (the native backend's device agreement) exchanges the vector through ``gather``
+    once per agreement and reads it as the group's all-gather would: the extra part in rank order, a
+    disagreement and a rank's local error raised alike on every rank (the messages still travel through the
+    group)."""
+    outs = run_workers(_through_gather, 2, timeout=120)
+    for out in outs:
+        assert out["table"] == [[10, 20], [11, 21]]
+        assert "Buffer.dispatch: ranks disagree on hidden (rank 0: 7, rank 1: 8)" in out["disagree"], out
+        assert out["local"] == "rank 1: x is float64", out["local"]
+        assert out["calls"] == [1 + 11 + 2] * 3

@@ -200,6 +200,43 @@ def test_a_combine_whose_ranks_take_their_input_differently_raises_on_every_rank
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
+def test_native_with_the_device_agreement_equals_reference_bit_for_bit(world: int) -> None:
+    """The whole suite with its synced calls agreeing through the workspaces (EP_DEVICE_AGREEMENT=1)."""
+    from _native_worker import suite
+
+    need_gpus(world)
+    seed = random.randrange(1, 2**30)
+    env = gpu_env(world, {"EP_DEVICE_AGREEMENT": "1"})
+    outs = run_workers(suite, world, seed, timeout=300, env=env)
+    errors = [e for per_rank in outs for e in per_rank]
+    assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_device_agreement_raises_the_same_error_on_every_rank(world: int) -> None:
+    from _native_worker import agreement
+
+    need_gpus(world)
+    bound = 2.0
+    env = gpu_env(world, {"EP_DEVICE_AGREEMENT": "1"})
+    outs = run_workers(agreement, world, bound, timeout=TIMEOUT, env=env)
+    for r, o in enumerate(outs):
+        assert o["backend"] == "nvshmem" and o["device_agreement"], (r, o)
+        assert not o["errors"], o["errors"]
+        assert "ranks disagree on expand (rank 0: False, rank 1: True" in o.get("disagree", ""), (r, o)
+        assert o.get("local", "").startswith("TypeError: rank 0: dispatch: topk_idx"), (r, o)
+    assert len({o["disagree"] for o in outs}) == 1 and len({o["local"] for o in outs}) == 1
+    for r, o in enumerate(outs[:-1]):
+        err = o.get("stop", "")
+        assert err.startswith("NativeTimeoutError"), (r, o)
+        assert "argument agreement, waiting for a member's arguments" in err, err
+        assert f"group rank {world - 1}" in err, err
+        assert o["seconds"] < bound + 15, o
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_that_stops_calling_makes_the_others_raise_within_the_bound(world: int) -> None:
     from _native_worker import stop
 

@@ -364,3 +364,46 @@ def test_hybrid_send_partials_arguments() -> None:
         I64(1 << 20), I64(4608), I64(4096), I32(4), I32(1), I32(2), I32(2), I32(6), I32(64), I32(1),
         U64(2000), ep.tickets[2:4], ep.status, U64(11),
     ])  # fmt: skip
+
+
+def test_native_all_gather_arguments_and_sequence() -> None:
+    """The device agreement: one block, this member's vector, the mailbox's place and slots, the agreement's
+    number (1, 2, ... on every member alike), the output read back [W, n]; a vector longer than a slot is
+    refused before anything is launched."""
+    ep = _state(NativeEp)
+    ep.device = torch.device("cpu")
+    ep._mailbox, ep._slot_words, ep._agreements = 7 << 20, 40, 0
+    ep._status_word = ep.status_host.numpy()
+    vec = torch.arange(39, dtype=torch.int64)
+    launch = ep.launchers["ep_agree"]
+    for seq in (1, 2):
+        table = ep.all_gather(vec, 17)
+        assert table.shape == (4, 39) and table.dtype == torch.int64 and table.device.type == "cpu"
+        values = launch.calls[seq - 1][1]
+        out = values[8]  # the output's address: the tensor read back
+        assert_launch(launch, seq - 1, 1, [
+            vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), Ptr(out), ep.status,
+            U64(17),
+        ])  # fmt: skip
+    with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
+        ep.all_gather(torch.arange(40, dtype=torch.int64), 17)
+    assert len(launch.calls) == 2 and ep._agreements == 2
+
+
+def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lck_ep.agreement import DEVICE_AGREEMENT, _show
+
+    assert NativeEp.agrees_on_device and not HybridEp.agrees_on_device
+    for value, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("EP_DEVICE_AGREEMENT", value)
+        assert native.device_agreement_requested() is want
+    monkeypatch.setenv("EP_DEVICE_AGREEMENT", "yes")
+    with pytest.raises(ValueError, match="EP_DEVICE_AGREEMENT must be 0 or 1, got 'yes'"):
+        native.device_agreement_requested()
+    ep = _state(NativeEp)
+    for on, signature in ((False, 1), (True, DEVICE_AGREEMENT)):
+        ep.device_agreement = on
+        assert ep.signature == signature
+    # what a Buffer's construction says when ranks differ
+    assert _show("native", DEVICE_AGREEMENT) == "nvshmem, EP_DEVICE_AGREEMENT=1"
+    assert (_show("native", 0), _show("native", 1)) == ("reference", "nvshmem")

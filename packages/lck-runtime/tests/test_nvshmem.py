@@ -9,7 +9,13 @@ import torch
 
 from lck_runtime import doctor
 from lck_runtime import nvshmem as nv
-from lck_runtime.symmetric import SCRATCH_ALIGN, moe_workspace_bytes, scratch_numel
+from lck_runtime.symmetric import (
+    SCRATCH_ALIGN,
+    moe_agreement_bytes,
+    moe_agreement_offset,
+    moe_workspace_bytes,
+    scratch_numel,
+)
 
 
 def test_native_support_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,5 +82,9 @@ def test_reservation_sizes() -> None:
     assert scratch_numel(1) == SCRATCH_ALIGN and scratch_numel(SCRATCH_ALIGN + 1) == 2 * SCRATCH_ALIGN
     from lck_runtime.config import MoEConfig
 
-    # 2 members × 8 tokens × (16 bf16 + 2 × (int64 + fp32)) rounded up to 16 bytes
-    assert moe_workspace_bytes(MoEConfig(8, 16, 4, 2), 2) == 2 * 8 * 64
+    # 2 members × 8 tokens × (16 bf16 + 2 × (int64 + fp32)) rounded up to 16 bytes, then the agreement
+    # mailbox: 2 sets × 2 slots × (1 sequence word + 32 header words + 2 members + 4 experts) int64
+    cfg = MoEConfig(8, 16, 4, 2)
+    assert moe_agreement_offset(cfg, 2) == 2 * 8 * 64
+    assert moe_agreement_bytes(cfg, 2) == 2 * 2 * (1 + 32 + 2 + 4) * 8
+    assert moe_workspace_bytes(cfg, 2) == 2 * 8 * 64 + 2 * 2 * 39 * 8

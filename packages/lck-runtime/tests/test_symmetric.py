@@ -76,20 +76,26 @@ def _order(rank: int, world: int) -> dict:
     return out
 
 
+# A MoEConfig(8, 16, 4, 2) workspace: W members x 8 tokens x 64-byte rows, then the agreement mailbox (2 sets x W
+# slots x (1 + 32 + W + 4 experts) int64).
+EP_WS = 2 * 8 * 64 + 2 * 2 * (1 + 32 + 2 + 4) * 8
+SOLO_WS = 8 * 64 + 2 * 1 * (1 + 32 + 1 + 4) * 8
+
+
 def test_every_rank_issues_the_same_collective_sequence() -> None:
     outs = run_workers(_order, 4, timeout=300)
     calls = outs[0]["calls"]
     for rank, o in enumerate(outs):
         assert o["native"] is True and o["is_native"] is True
-        assert o["ctx"] == (True, True, 2 * 8 * 64, 2 * 32)
+        assert o["ctx"] == (True, True, EP_WS, 2 * 32)
         assert o["handles"] == [((1, 1), True), ((2, 1), True), ((2, 2), True)]
         assert o["calls"] == calls, f"rank {rank} issued a different NVSHMEM collective sequence"
     tp_splits = [("split", 0, 1, 2), ("split", 2, 1, 2)]
     ep_splits = [("split", 0, 2, 2), ("split", 1, 2, 2)]
     solo_splits = [("split", r, 1, 1) for r in range(4)]
     scratch = ("alloc", 128, "torch.float32")
-    ep_ws, ep_sig = ("alloc", 2 * 8 * 64, "torch.uint8"), ("alloc", 64, "torch.int64")
-    solo_ws, solo_sig = ("alloc", 8 * 64, "torch.uint8"), ("alloc", 32, "torch.int64")
+    ep_ws, ep_sig = ("alloc", EP_WS, "torch.uint8"), ("alloc", 64, "torch.int64")
+    solo_ws, solo_sig = ("alloc", SOLO_WS, "torch.uint8"), ("alloc", 32, "torch.int64")
     # The one-shot all-reduce of each FLSCE context of two members: receive area (2 parities x 2 members x
     # one 1024-float slot), flags (2 members x 128 blocks), low-latency area (2 x 2 x LL_SLOT words).
     p2p = [
@@ -101,11 +107,11 @@ def test_every_rank_issues_the_same_collective_sequence() -> None:
     expected = [
         *tp_splits, scratch, *p2p, *ep_splits, ep_ws, ep_sig,  # first configure: flsce(tp), moe(ep)
         *p2p, *solo_splits, solo_ws, solo_sig,  # second: flsce(ep) reuses team and scratch; moe(solo)
-        *p2p_free, ("free", 2 * 8 * 64, "torch.uint8"), ("free", 64, "torch.int64"),  # destroy ep: flsce, moe
+        *p2p_free, ("free", EP_WS, "torch.uint8"), ("free", 64, "torch.int64"),  # destroy ep: flsce, moe
         ("destroy_team",),
         *ep_splits, ep_ws, ep_sig,  # moe(ep) again
-        ("free", 64, "torch.int64"), ("free", 2 * 8 * 64, "torch.uint8"),  # clear_pool, newest first
-        ("free", 32, "torch.int64"), ("free", 8 * 64, "torch.uint8"),
+        ("free", 64, "torch.int64"), ("free", EP_WS, "torch.uint8"),  # clear_pool, newest first
+        ("free", 32, "torch.int64"), ("free", SOLO_WS, "torch.uint8"),
         *reversed(p2p_free), ("free", 128, "torch.float32"),
         ("alloc", 256, "torch.float32"),  # a larger scratch after the clear (solo: no one-shot buffers)
         ("free", 256, "torch.float32"), ("destroy_team",), ("destroy_team",), ("destroy_team",), ("finalize",),
@@ -197,7 +203,8 @@ def test_heap_is_sized_at_init_and_later_sections_must_fit() -> None:
             "flsce.scratch", "flsce[2x1].p2p", "flsce[2x1].p2p_flags", "flsce[2x1].p2p_ll",
             "moe[2x1].workspace", "moe[2x1].signals",
         ]  # fmt: skip
-        assert dict(o["planned"])["moe[2x1].workspace"] == 2 * 8 * mib
+        # 2 members x 1024 rows of 4096 bytes, then the agreement mailbox (2 sets x 2 slots x 39 int64)
+        assert dict(o["planned"])["moe[2x1].workspace"] == 2 * 8 * mib + 2 * 2 * (1 + 32 + 2 + 4) * 8
         assert "moe[4x1].workspace 32.0 MiB" in o["no room"] and "nothing was changed" in o["no room"]
         assert "sized by the first configure" in o["no room"] and o["unchanged"]
         assert o["solo planned"] == []

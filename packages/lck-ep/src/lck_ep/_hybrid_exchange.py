@@ -80,6 +80,7 @@ class HybridEp(NativeEp):
     fuses_expanded_combine = False  # its combine-send kernels take reduced partial rows
     pulls_rows = False  # its senders store rows in the destinations' regions
     zero_copy_combine = False  # its relays forward partial rows pushed to them
+    agrees_on_device = False  # synced calls agree through the group (not built for the hybrid pair)
     _states = _STATES  # NativeEp.for_context's registry of this class
 
     def __init__(self, ctx: Any, device: torch.device) -> None:

@@ -19,12 +19,12 @@ another calls ``dispatch`` is reported as a disagreement on ``op``, not a mismat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BUFFER_FIELDS", "DIGEST_FIELDS", "OPS", "agree", "dtype_code"]
+__all__ = ["BUFFER_FIELDS", "DEVICE_AGREEMENT", "DIGEST_FIELDS", "OPS", "agree", "dtype_code"]
 
 # The parameters of a dispatch or combine call that every rank must pass identically.
 DIGEST_FIELDS = (
@@ -52,6 +52,9 @@ BUFFER_FIELDS = (
     "native",
 )
 OPS = {1: "dispatch", 2: "combine", 3: "__init__"}
+# BUFFER_FIELDS' "native": 0 reference, 1 native, this for a native state whose synced calls agree through the
+# workspaces (EP_DEVICE_AGREEMENT=1), else the hybrid pair's settings (2 + a 48-bit hash: below this).
+DEVICE_AGREEMENT = 1 << 62
 _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPES.items()}
 
@@ -67,7 +70,10 @@ def _show(field: str, value: int) -> str:
         return _DTYPE_NAMES.get(value, "other")
     if field == "device_type":
         return {0: "cpu", 1: "cuda"}.get(value, "other")
-    if field in ("cached", "expand", "has_topk_weights", "sync_free", "native"):
+    if field == "native":
+        names = {0: "reference", 1: "nvshmem", DEVICE_AGREEMENT: "nvshmem, EP_DEVICE_AGREEMENT=1"}
+        return names.get(value, f"nvshmem, hybrid settings {value}")
+    if field in ("cached", "expand", "has_topk_weights", "sync_free"):
         return str(bool(value))
     return str(value)
 
@@ -80,6 +86,7 @@ def agree(
     digest: Sequence[int] | None,
     extra: torch.Tensor | None,
     extra_len: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """All-gather ``[status, digest, extra]`` and raise the same error everywhere on any problem.
 
@@ -87,7 +94,10 @@ def agree(
     must be the same sequence on every rank);
     ``extra`` is an int64 device tensor of ``extra_len`` elements or None (zeros are sent). Returns the
     gathered ``extra`` part, ``[world, extra_len]`` int64 on the CPU. Collective over ``group``; it
-    synchronises the host with the device once (the ``.cpu()`` of the gathered matrix).
+    synchronises the host with the device once (the ``.cpu()`` of the gathered matrix). ``gather``, when
+    given, all-gathers the vector (built on ``device``) in place of the group's all-gather and returns the
+    ``[world, n]`` matrix on the CPU (a native state's :meth:`lck_ep.native.NativeEp.all_gather`); the
+    group then carries only the messages of a failure.
     """
     n = len(fields)
     head = [1 if local_error is not None else 0]
@@ -101,9 +111,12 @@ def agree(
         )
         vec = torch.cat([vec, tail])
     world = dist.get_world_size(group)
-    gathered = vec.new_empty(world, vec.numel())
-    dist.all_gather(list(gathered.unbind(0)), vec, group=group)
-    table = gathered.cpu()
+    if gather is not None:
+        table = gather(vec)
+    else:
+        gathered = vec.new_empty(world, vec.numel())
+        dist.all_gather(list(gathered.unbind(0)), vec, group=group)
+        table = gathered.cpu()
     # The verdicts read the status and digest columns as Python ints, converted at once: a torch op per
     # field and rank had cost the host several times the all-gather itself.
     heads = table[:, : 1 + n].tolist()

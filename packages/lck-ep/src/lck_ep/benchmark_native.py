@@ -91,6 +91,25 @@ def pushed(buf: Any, fn: Any) -> Any:
     return run
 
 
+def device_agreement(buf: Any) -> Any:
+    """``wrap(fn)``: ``fn`` run with ``buf``'s synced calls agreeing through the native workspaces
+    (:meth:`lck_ep.native.NativeEp.all_gather`) instead of the process group."""
+    import functools
+
+    def wrap(fn: Any) -> Any:
+        def run() -> Any:
+            before = buf._gather
+            buf._gather = functools.partial(buf._native.all_gather, timeout_ns=buf.timeout_ns)
+            try:
+                return fn()
+            finally:
+                buf._gather = before
+
+        return run
+
+    return wrap
+
+
 def _bench_shape(
     shape: tuple[str, int, int, int, int], rank: int, world: int, dev: Any, attempt: Any, with_reference: bool
 ) -> None:
@@ -123,6 +142,16 @@ def _bench_shape(
     attempt("dispatch_expanded", "lck_nvshmem_sync_free_push", label, pushed(free, expanded), sent)
     de = expanded()
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
+    # The synced calls agreeing through the workspaces (EP_DEVICE_AGREEMENT=1) instead of over gloo: the same
+    # Buffer switched on every PE at the same point, as pushed() switches the rows.
+    dev_agree = device_agreement(synced)
+    attempt(
+        "dispatch", "lck_nvshmem_device_agreement", label, dev_agree(lambda: synced.dispatch(x, idx, w)), sent
+    )
+    cached = dev_agree(lambda: synced.dispatch(x, handle=d.handle))
+    attempt("dispatch_cached", "lck_nvshmem_device_agreement", label, cached, sent)
+    combine = dev_agree(lambda: synced.combine(d.recv_x, d.handle))
+    attempt("combine", "lck_nvshmem_device_agreement", label, combine, sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
     # The expert outputs written straight into the workspace (Buffer.combine_input, filled once here: the
     # expert kernel's own stores are not the combine's), read there by their sources.

@@ -43,6 +43,7 @@ data movement after a call's agreement in :mod:`lck_ep._exchange`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -216,6 +217,11 @@ class Buffer:
             self.num_sms = num_sms or 0
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        # Synced calls agree through the group (on _home), or through the native workspaces (EP_DEVICE_AGREEMENT=1,
+        # the same on every rank: part of the construction digest above), on the Buffer's device.
+        self._gather = None
+        if self._native is not None and self._native.device_agreement:
+            self._gather = functools.partial(self._native.all_gather, timeout_ns=self.timeout_ns)
         self.use_kernel_layout = settled.use_kernel_layout
         # The layout kernel's knobs, read once here (as the native kernels' are) instead of from the
         # environment on every dispatch (eight variables: about 20 us of host time a call).
@@ -413,7 +419,8 @@ class Buffer:
                     ]
                 )
         digest = plan.digest() if plan is not None else None
-        table = agree(self.group, self._home, error, DIGEST_FIELDS, digest, extra, 1 + w + e)
+        home = self._home if self._gather is None else self.device
+        table = agree(self.group, home, error, DIGEST_FIELDS, digest, extra, 1 + w + e, self._gather)
         assert plan is not None
         given, plan = plan, self._packed(plan)
         if plan.handle is not None:
@@ -558,12 +565,13 @@ class Buffer:
             digest = plan.digest() if plan is not None else None
             agree(
                 self.group,
-                self._home,
+                self._home if self._gather is None else self.device,
                 error,
                 DIGEST_FIELDS,
                 digest,
                 None,
                 1 + self.num_ranks + self.num_experts,
+                self._gather,
             )
         assert plan is not None
         if self._native is not None:

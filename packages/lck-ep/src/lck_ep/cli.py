@@ -27,6 +27,7 @@ KERNEL_ROLES = {
     "ep_dispatch_rows": "dispatch, rows out of the workspace (compact or expert-major), then release",
     "ep_reduce_expanded": "combine, expanded rows reduced per received row (weighted, float32)",
     "ep_combine_send_expanded": "combine of expanded rows, sender (each received row reduced into its source's region)",
+    "ep_agree": "synced call, argument agreement (every rank's vector through the workspaces' mailboxes)",
 }
 
 

@@ -119,10 +119,10 @@ def layout_spec(knobs: EpKnobs) -> KernelSpec:
     )
 
 
-# The native scale-up kernels (csrc/dispatch.cuh, csrc/combine.cuh): one translation unit each, so a
+# The native scale-up kernels (csrc/dispatch.cuh, csrc/combine.cuh, csrc/agree.cuh): one translation unit each, so a
 # kernel's cache entry names what it is. Their flat parameter lists mirror the Args structs of the headers.
 NATIVE_THREADS = 512  # kThreads in ep_native.cuh: one waiting thread per member, up to 512 members
-_NATIVE_HEADERS = ("ep_config.cuh", "ep_native.cuh", "dispatch.cuh", "combine.cuh")
+_NATIVE_HEADERS = ("ep_config.cuh", "ep_native.cuh", "dispatch.cuh", "combine.cuh", "agree.cuh")
 _NATIVE_BODIES = {
     "ep_send_slots": (
         "dispatch.cuh",
@@ -221,6 +221,13 @@ _NATIVE_BODIES = {
         """const long long* peer_sig, int num_ranks, int me, long long* status, unsigned long long timeout_ns""",
         """lck_ep::combine_zero_copy_wait(reinterpret_cast<const long long* const*>(peer_sig), num_ranks, me, status,
                                    timeout_ns);""",
+    ),
+    "ep_agree": (
+        "agree.cuh",
+        """const long long* vec, long long n, const long long* peer_ws, long long mailbox_offset, long long slot_words,
+    int num_ranks, int me, unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns""",
+        """lck_ep::AgreeArgs a{vec, n, peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns};
+    lck_ep::agree_exchange(a);""",
     ),
     "ep_reduce_expanded": (
         "combine.cuh",

@@ -20,6 +20,9 @@ Every kernel is bound once per state (``lck_runtime.jit.Kernel.bind``, with the 
 state's constant buffers as addresses read once, absent tensors as 0. A per-call ``Kernel.launch`` (typed
 wrappers, per-argument checks) had cost a dispatch more host time than its GPU time at small sizes.
 
+A synced call's argument agreement may also run here (:meth:`NativeEp.all_gather`, ``EP_DEVICE_AGREEMENT=1``):
+every member's vector through the mailbox at the end of each workspace (``csrc/agree.cuh``), then one host read.
+
 Waits are bounded: a member that does not arrive within the Buffer's ``timeout_s`` leaves a diagnostic
 instead of a hang; every later call on the context raises it (:class:`NativeTimeoutError`), and
 :meth:`NativeEp.check` raises it after a synchronisation.
@@ -27,15 +30,18 @@ instead of a hang; every later call on the context raises it (:class:`NativeTime
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from lck_ep.agreement import DEVICE_AGREEMENT
 from lck_ep.codegen import NATIVE_KERNELS, NATIVE_KINDS, NATIVE_THREADS, native_spec
 from lck_ep.knobs import EpKnobs, read_knobs
 from lck_runtime.jit import Jit
+from lck_runtime.symmetric import moe_agreement_offset, moe_agreement_slot_words
 
 __all__ = [
     "DEFAULT_NUM_SMS",
@@ -45,6 +51,7 @@ __all__ = [
     "bind_kernels",
     "build_native_kernels",
     "compile_native_kernels",
+    "device_agreement_requested",
     "native_problem",
     "row_layout",
     "rows_head",
@@ -79,7 +86,10 @@ _PHASES = {
     2: "dispatch, waiting for a source's rows",
     3: "combine, waiting for a source to finish reading the previous operation",
     4: "combine, waiting for a destination's partial rows",
+    9: "a synced call's argument agreement, waiting for a member's arguments",
 }
+# EP_DEVICE_AGREEMENT=1: synced calls agree on their arguments through the workspaces' mailboxes (ep_agree).
+DEVICE_AGREEMENT_ENV = "EP_DEVICE_AGREEMENT"
 # status[0] of a combine whose members took their input differently (ep_native.cuh)
 _MIXED_COMBINE = 4
 _LOCK = threading.Lock()
@@ -126,6 +136,15 @@ def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: in
             f"{max_tokens} rows, but the MoEConfig's workspace rows are {lay.row_stride} bytes, {lay.cap} per source"
         )
     return None
+
+
+def device_agreement_requested() -> bool:
+    """Whether ``EP_DEVICE_AGREEMENT`` asks synced native calls to agree through the workspaces ("1"), or
+    not ("0", empty or unset: through the Buffer's process group)."""
+    value = os.environ.get(DEVICE_AGREEMENT_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{DEVICE_AGREEMENT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _jit() -> Any:
@@ -240,6 +259,9 @@ class NativeEp:
     zero_copy_combine = True
     # The handle whose zero-copy input combine_input handed out since the last operation (or None).
     armed: Any = None
+    # Synced calls may agree on their arguments through the workspaces (all_gather; EP_DEVICE_AGREEMENT=1):
+    # the hybrid pair's members on other hosts have no mapped workspace to write into.
+    agrees_on_device = True
 
     def __init__(self, ctx: Any, device: torch.device) -> None:
         cfg = ctx.config
@@ -260,6 +282,11 @@ class NativeEp:
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.status_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
         self._status_word = self.status_host.numpy()  # the same memory, read without a torch call
+        # The agreement mailbox (lck_runtime.symmetric.moe_agreement_offset) and the agreements made so far.
+        self.device_agreement = self.agrees_on_device and device_agreement_requested()
+        self._mailbox = moe_agreement_offset(cfg, self.size)
+        self._slot_words = moe_agreement_slot_words(cfg, self.size)
+        self._agreements = 0
         self.kernels = build_native_kernels(device.index)
         self.launchers = bind_kernels(self.kernels, NATIVE_KINDS, device.index)
         self.device_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -292,6 +319,12 @@ class NativeEp:
         with _LOCK:
             cls._states[id(ctx)] = state
         return state
+
+    @property
+    def signature(self) -> int:
+        """What a Buffer's construction agrees on across ranks for this state: how synced calls agree
+        (:data:`lck_ep.agreement.DEVICE_AGREEMENT`, or 1 through the process group)."""
+        return DEVICE_AGREEMENT if self.device_agreement else 1
 
     # -- diagnostics ----------------------------------------------------------------------------------
     def raise_if_failed(self) -> None:
@@ -585,6 +618,43 @@ class NativeEp:
                 _COMBINE_CODES[partial.dtype],
             ],
         )
+
+    # -- argument agreement ----------------------------------------------------------------------------
+    def all_gather(self, vec: torch.Tensor, timeout_ns: int) -> torch.Tensor:
+        """Every member's ``vec`` (int64, contiguous, on this state's device, the same length everywhere) as
+        ``[W, n]`` on the host, by member: exchanged through the workspaces' mailboxes (ep_agree) instead of
+        a process-group all-gather, then read once by the host (which synchronises with the stream).
+        Collective over the context's members, in the same sequence of agreements everywhere; a member that
+        does not arrive within ``timeout_ns`` makes it raise :class:`NativeTimeoutError`."""
+        n = vec.numel()
+        if n > self._slot_words - 1:
+            raise ValueError(
+                f"all_gather: a vector of {n} words does not fit the agreement mailbox's slots "
+                f"({self._slot_words - 1} words)"
+            )
+        self.raise_if_failed()
+        self._agreements += 1
+        out = torch.empty(self.size, n, dtype=torch.int64, device=self.device)
+        self.launchers["ep_agree"](
+            1,
+            [
+                vec.data_ptr(),
+                n,
+                self._peer_ws,
+                self._mailbox,
+                self._slot_words,
+                self.size,
+                self.me,
+                self._agreements,
+                out.data_ptr(),
+                self._status,
+                timeout_ns,
+            ],
+        )
+        table = out.cpu()
+        self.status_host.copy_(self.status)
+        self.raise_if_failed()
+        return table
 
     # -- zero-copy combine -----------------------------------------------------------------------------
     def combine_input(

@@ -24,6 +24,7 @@ from typing import Any
 from lck_runtime.config import MoEConfig
 
 __all__ = [
+    "AGREEMENT_HEADER_WORDS",
     "HYBRID_MAX_CHANNELS",
     "HYBRID_MAX_SUB_PARTS",
     "HYBRID_SIGNAL_WORDS",
@@ -31,6 +32,9 @@ __all__ = [
     "SIGNAL_WORDS_PER_PEER",
     "Reservation",
     "SymmetricPool",
+    "moe_agreement_bytes",
+    "moe_agreement_offset",
+    "moe_agreement_slot_words",
     "moe_hybrid_area_bytes",
     "moe_workspace_bytes",
     "scratch_numel",
@@ -85,8 +89,31 @@ def moe_workspace_bytes(config: MoEConfig, group_size: int) -> int:
     The worst-case receive area of one dispatch: every member sends all of its ``max_tokens`` tokens
     to this rank, each a bf16 row of ``hidden_size`` plus its ``top_k`` int64 expert ids and fp32
     weights, rows 16-byte aligned. A group over several hosts adds ``num_hosts - 1`` hybrid areas after it
-    (:func:`moe_hybrid_area_bytes`).
+    (:func:`moe_hybrid_area_bytes`), and the agreement mailbox ends it (:func:`moe_agreement_bytes`).
     """
+    return moe_agreement_offset(config, group_size) + moe_agreement_bytes(config, group_size)
+
+
+# The agreement mailbox of a MoE workspace (lck_ep's synced calls may agree on their arguments through it on
+# the device instead of a process-group all-gather): two sets of one slot per member, used by alternate
+# agreements, each slot a sequence word and a vector of at most AGREEMENT_HEADER_WORDS + group size +
+# num_experts int64 (a status, the call's digest, and a dispatch's tokens per member and per expert).
+AGREEMENT_HEADER_WORDS = 32
+
+
+def moe_agreement_slot_words(config: MoEConfig, group_size: int) -> int:
+    """int64 words of one mailbox slot: the sequence word and the longest vector."""
+    return 1 + AGREEMENT_HEADER_WORDS + group_size + config.num_experts
+
+
+def moe_agreement_bytes(config: MoEConfig, group_size: int) -> int:
+    """Bytes of the agreement mailbox: two sets of ``group_size`` slots."""
+    return 2 * group_size * moe_agreement_slot_words(config, group_size) * 8
+
+
+def moe_agreement_offset(config: MoEConfig, group_size: int) -> int:
+    """Where the agreement mailbox starts in the workspace: after the receive area and the hybrid areas
+    (both multiples of 16 bytes)."""
     base = group_size * config.max_tokens * _moe_row(config)
     return base + (config.num_hosts - 1) * moe_hybrid_area_bytes(config, group_size)
 

@@ -1,0 +1,69 @@
+// lck-ep: the argument agreement of a synced native call, exchanged through the members' workspaces.
+//
+// A synced dispatch or combine first agrees on its arguments (lck_ep.agreement): every member contributes
+// one int64 vector (its local status, the call's digest, a dispatch's counts) and every member reads all of
+// them. On the native scale-up backend the vectors travel through a mailbox at the end of each member's
+// workspace (lck_runtime.symmetric.moe_agreement_offset) instead of a process-group all-gather: two sets of
+// W slots, used by alternate agreements, slot s of set p holding member s's vector of the last agreement of
+// parity p, after a sequence word. Agreement q (numbered alike on every member by the host: every member
+// makes the same synced calls) writes member me's vector into slot me of set q & 1 of every member, then
+// releases q into the slot's sequence word; each member waits until every slot of its own set carries q and
+// copies the set out for the host. A member cannot start agreement q + 2, which reuses the set, before
+// every member has written agreement q + 1, which each does only after reading agreement q.
+//
+// One block (one waiting thread per member). A member that does not arrive within timeout_ns leaves the
+// context's diagnostic (code 1, or 2 for a member at another agreement: it made different calls), as the
+// dispatch and combine waits do.
+#pragma once
+
+#include "ep_native.cuh"
+
+namespace lck_ep {
+
+constexpr long long kPhaseAgree = 9;  // a synced call, waiting for a member's arguments
+
+struct AgreeArgs {
+  const long long* vec;      // [n] this member's vector
+  long long n;               // its length: at most slot_words - 1
+  const long long* peer_ws;  // [W] every member's workspace as mapped here
+  long long mailbox_offset;  // bytes from a workspace's start to its mailbox
+  long long slot_words;      // int64 words per slot: the sequence word, then the vector
+  int num_ranks, me;
+  unsigned long long seq;    // this agreement's number, from 1
+  long long* out;            // [W, n] the members' vectors, by member
+  long long* status;
+  unsigned long long timeout_ns;
+};
+
+__device__ __forceinline__ long long* agree_slot(const AgreeArgs& a, int member, int owner) {
+  long long* box = reinterpret_cast<long long*>(reinterpret_cast<uint8_t*>(a.peer_ws[owner]) + a.mailbox_offset);
+  const long long set = static_cast<long long>(a.seq & 1ull);
+  return box + (set * a.num_ranks + member) * a.slot_words;
+}
+
+__device__ inline void agree_exchange(const AgreeArgs& a) {
+  if (failed(a.status)) return;
+  // this member's vector into its slot at every member (itself included), then the sequence words
+  const long long total = a.n * a.num_ranks;
+  for (long long i = threadIdx.x; i < total; i += blockDim.x) {
+    const int owner = static_cast<int>(i / a.n);
+    const long long j = i - owner * a.n;
+    agree_slot(a, a.me, owner)[1 + j] = a.vec[j];
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int d = threadIdx.x; d < a.num_ranks; d += blockDim.x)
+    lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(agree_slot(a, a.me, d)), a.seq);
+  const bool ok = wait_each_member(a.num_ranks, a.status, [&](int s) {
+    const unsigned long long* w = reinterpret_cast<const unsigned long long*>(agree_slot(a, s, a.me));
+    return wait_for(w, 0, a.seq, true, a.status, kPhaseAgree, s, a.timeout_ns) != ~0ull;
+  });
+  if (!ok) return;
+  for (long long i = threadIdx.x; i < total; i += blockDim.x) {
+    const int s = static_cast<int>(i / a.n);
+    const long long j = i - s * a.n;
+    a.out[i] = *reinterpret_cast<const volatile long long*>(agree_slot(a, s, a.me) + 1 + j);
+  }
+}
+
+}  // namespace lck_ep
