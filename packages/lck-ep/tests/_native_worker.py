@@ -377,13 +377,7 @@ def mixed(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
         z.copy_(y)
         y = z
     out: dict[str, Any] = {"backend": buf.backend}
-    t0 = time.perf_counter()
-    buf.combine(y, d.handle)
-    try:
-        buf.check_errors()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.perf_counter() - t0
+    timed_failure(out, "error", lambda: (buf.combine(y, d.handle), buf.check_errors()))
     dist.barrier()
     L.finalize()
     return out
@@ -426,12 +420,7 @@ def agreement(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
         out["local"] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
     if rank != world - 1:
-        t0 = time.perf_counter()
-        try:
-            buf.dispatch(x.to(dev), idx.to(dev))
-        except Exception as exc:
-            out["stop"] = f"{type(exc).__name__}: {exc}"
-        out["seconds"] = time.perf_counter() - t0
+        timed_failure(out, "stop", lambda: buf.dispatch(x.to(dev), idx.to(dev)))
     dist.barrier()
     L.finalize()
     return out
@@ -442,14 +431,19 @@ def stalled_dispatch(buf: Any, world: int, dev: torch.device, out: dict[str, Any
     goes to ``out["error"]``, the seconds until it did to ``out["seconds"]``; returns the inputs."""
     x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
     idx = torch.arange(16 * 2, device=dev).reshape(16, 2) % (E_PER_RANK * world)
-    t0 = time.perf_counter()
-    buf.dispatch(x, idx)
-    try:
-        buf.check_errors()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.perf_counter() - t0
+    timed_failure(out, "error", lambda: (buf.dispatch(x, idx), buf.check_errors()))
     return x, idx
+
+
+def timed_failure(out: dict[str, Any], key: str, fn: Any) -> None:
+    """Run ``fn``: what it raised goes to ``out[key]`` ("Type: message"), the seconds it took to
+    ``out["seconds"]``."""
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:
+        out[key] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - t0
 
 
 def fp8(rank: int, world: int, seed: int) -> list[str]:
