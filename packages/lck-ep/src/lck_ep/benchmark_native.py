@@ -94,12 +94,11 @@ def pushed(buf: Any, fn: Any) -> Any:
 def device_agreement(buf: Any) -> Any:
     """``wrap(fn)``: ``fn`` run with ``buf``'s synced calls agreeing through the native workspaces
     (:meth:`lck_ep.native.NativeEp.all_gather`) instead of the process group."""
-    import functools
 
     def wrap(fn: Any) -> Any:
         def run() -> Any:
             before = buf._gather
-            buf._gather = functools.partial(buf._native.all_gather, timeout_ns=buf.timeout_ns)
+            buf._gather = buf._device_gather()
             try:
                 return fn()
             finally:

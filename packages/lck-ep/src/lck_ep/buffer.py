@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -221,7 +221,7 @@ class Buffer:
         # the same on every rank: part of the construction digest above), on the Buffer's device.
         self._gather = None
         if self._native is not None and self._native.device_agreement:
-            self._gather = functools.partial(self._native.all_gather, timeout_ns=self.timeout_ns)
+            self._gather = self._device_gather()
         self.use_kernel_layout = settled.use_kernel_layout
         # The layout kernel's knobs, read once here (as the native kernels' are) instead of from the
         # environment on every dispatch (eight variables: about 20 us of host time a call).
@@ -364,6 +364,28 @@ class Buffer:
             return self._dispatch_sync_free(plan)
         return self._dispatch_synced(plan, error)
 
+    def _device_gather(self) -> Any:
+        """The native state's all-gather through the workspaces, with this Buffer's bound."""
+        assert self._native is not None
+        return functools.partial(self._native.all_gather, timeout_ns=self.timeout_ns)
+
+    def _agree(
+        self, error: BaseException | None, digest: list[int] | None, extra: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A synced call's agreement (:func:`lck_ep.agreement.agree`): over the group, or through the native
+        workspaces on the Buffer's device when ``_gather`` is set."""
+        home = self._home if self._gather is None else self.device
+        return agree(
+            self.group,
+            home,
+            error,
+            DIGEST_FIELDS,
+            digest,
+            extra,
+            1 + self.num_ranks + self.num_experts,
+            self._gather,
+        )
+
     def _check_native_rows(self, plan: DispatchPlan | CombinePlan, op: str) -> None:
         """The native kernels move rows as bytes within the workspace's rows (sized by the MoEConfig for
         2-byte hidden states): refuse, naming x, a dtype they do not take or a row that does not fit."""
@@ -419,8 +441,7 @@ class Buffer:
                     ]
                 )
         digest = plan.digest() if plan is not None else None
-        home = self._home if self._gather is None else self.device
-        table = agree(self.group, home, error, DIGEST_FIELDS, digest, extra, 1 + w + e, self._gather)
+        table = self._agree(error, digest, extra)
         assert plan is not None
         given, plan = plan, self._packed(plan)
         if plan.handle is not None:
@@ -562,17 +583,7 @@ class Buffer:
             if error is not None:
                 raise error
         else:
-            digest = plan.digest() if plan is not None else None
-            agree(
-                self.group,
-                self._home if self._gather is None else self.device,
-                error,
-                DIGEST_FIELDS,
-                digest,
-                None,
-                1 + self.num_ranks + self.num_experts,
-                self._gather,
-            )
+            self._agree(error, plan.digest() if plan is not None else None, None)
         assert plan is not None
         if self._native is not None:
             return CombineOutput(_native_exchange.combine(self, plan), Event(self.device))

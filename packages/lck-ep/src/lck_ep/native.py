@@ -356,6 +356,10 @@ class NativeEp:
     def check(self) -> None:
         """Synchronise with the device and raise the diagnostic of a failed wait, if any."""
         torch.cuda.current_stream(self.device).synchronize()
+        self._raise_from_device()
+
+    def _raise_from_device(self) -> None:
+        """Read the diagnostic word (the stream has finished the kernels that may set it) and raise it."""
         self.status_host.copy_(self.status)
         self.raise_if_failed()
 
@@ -651,9 +655,8 @@ class NativeEp:
                 timeout_ns,
             ],
         )
-        table = out.cpu()
-        self.status_host.copy_(self.status)
-        self.raise_if_failed()
+        table = out.cpu()  # synchronises: ep_agree has finished
+        self._raise_from_device()
         return table
 
     # -- zero-copy combine -----------------------------------------------------------------------------

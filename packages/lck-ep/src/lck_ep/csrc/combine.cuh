@@ -55,10 +55,7 @@ __device__ inline void send_partial_rows(const CombineSendArgs& a, bool own_rows
   }
   finish_grid(a.done, [&] {
     if (failed(a.status)) return;
-    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
-      long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, false));
-    }
+    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) arrive_combine(peer_sig[s], a.me, op, false);
   });
 }
 
@@ -118,10 +115,7 @@ __device__ inline void publish_in_place(const CombineRecvArgs& a, unsigned long 
   __threadfence_system();
   __syncthreads();
   const long long* const* peer_sig = reinterpret_cast<const long long* const*>(a.peer_sig);
-  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
-    long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
-    lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, true));
-  }
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) arrive_combine(peer_sig[s], a.me, op, true);
 }
 
 // kVec consecutive elements of a row: one 16-byte access for 8 two-byte elements (the caller checked the

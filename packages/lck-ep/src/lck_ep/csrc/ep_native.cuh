@@ -96,9 +96,12 @@ __device__ inline unsigned long long wait_for(const unsigned long long* word, in
   }
 }
 
-// The value of a combine arrival word (see the signals above).
-__device__ __forceinline__ unsigned long long combine_arrival(unsigned long long op, bool pulled) {
-  return (op << 1) | (pulled ? 1ull : 0ull);
+// Release source `source`'s combine arrival word in the signal array `signals` (a member's, as mapped here):
+// (op << 1) | pulled, see the signals above.
+__device__ __forceinline__ void arrive_combine(const long long* signals, int source, unsigned long long op,
+                                               bool pulled) {
+  long long* word = const_cast<long long*>(signals) + source * kSignalWords + kCombineArrived;
+  lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), (op << 1) | (pulled ? 1ull : 0ull));
 }
 
 // The number of the operation a kernel belongs to: one past the last this member finished.

@@ -725,8 +725,7 @@ __device__ inline void combine(const CombineArgs& a) {
     if (failed(a.status) || !ok0) return;
     for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
       if (s / g == my_host) {
-        long long* word = const_cast<long long*>(peer_sig[s]) + a.me * kSignalWords + kCombineArrived;
-        lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, false));
+        arrive_combine(peer_sig[s], a.me, op, false);
       } else {
         const int b = my_host * g + s % g;
         long long* word = const_cast<long long*>(peer_sig[b]) + a.me * kSignalWords + kFirstWord + area_of(s / g, my_host);
@@ -797,8 +796,7 @@ __device__ inline void combine(const CombineArgs& a) {
     if (failed(a.status) || !ok0) return;
     for (int d = threadIdx.x; d < a.num_ranks; d += blockDim.x) {
       if (d / g == my_host) continue;
-      long long* word = const_cast<long long*>(my_sig) + d * kSignalWords + kCombineArrived;
-      lck_sync::max_release_sys(reinterpret_cast<unsigned long long*>(word), combine_arrival(op, false));
+      arrive_combine(my_sig, d, op, false);
     }
   });
 }
