@@ -91,22 +91,19 @@ def pushed(buf: Any, fn: Any) -> Any:
     return run
 
 
-def device_agreement(buf: Any) -> Any:
-    """``wrap(fn)``: ``fn`` run with ``buf``'s synced calls agreeing through the native workspaces
+def device_agreement(buf: Any, fn: Any) -> Any:
+    """``fn`` run with ``buf``'s synced calls agreeing through the native workspaces
     (:meth:`lck_ep.native.NativeEp.all_gather`) instead of the process group."""
 
-    def wrap(fn: Any) -> Any:
-        def run() -> Any:
-            before = buf._gather
-            buf._gather = buf._device_gather()
-            try:
-                return fn()
-            finally:
-                buf._gather = before
+    def run() -> Any:
+        before = buf._gather
+        buf._gather = buf._device_gather()
+        try:
+            return fn()
+        finally:
+            buf._gather = before
 
-        return run
-
-    return wrap
+    return run
 
 
 def _bench_shape(
@@ -143,13 +140,11 @@ def _bench_shape(
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
     # The synced calls agreeing through the workspaces (EP_DEVICE_AGREEMENT=1) instead of over gloo: the same
     # Buffer switched on every PE at the same point, as pushed() switches the rows.
-    dev_agree = device_agreement(synced)
-    attempt(
-        "dispatch", "lck_nvshmem_device_agreement", label, dev_agree(lambda: synced.dispatch(x, idx, w)), sent
-    )
-    cached = dev_agree(lambda: synced.dispatch(x, handle=d.handle))
+    fresh = device_agreement(synced, lambda: synced.dispatch(x, idx, w))
+    attempt("dispatch", "lck_nvshmem_device_agreement", label, fresh, sent)
+    cached = device_agreement(synced, lambda: synced.dispatch(x, handle=d.handle))
     attempt("dispatch_cached", "lck_nvshmem_device_agreement", label, cached, sent)
-    combine = dev_agree(lambda: synced.combine(d.recv_x, d.handle))
+    combine = device_agreement(synced, lambda: synced.combine(d.recv_x, d.handle))
     attempt("combine", "lck_nvshmem_device_agreement", label, combine, sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
     # The expert outputs written straight into the workspace (Buffer.combine_input, filled once here: the
