@@ -384,10 +384,12 @@ def mixed(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
 
 
 def agreement(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
-    """Synced calls agreeing through the workspaces (run with EP_DEVICE_AGREEMENT=1): a dispatch and combine
-    equal to the reference's; ranks asking for different layouts, and one rank's bad argument, raise the
-    same error on every rank; then the last rank stops calling and the others' next dispatch raises
-    within the bound, naming the agreement."""
+    """Synced calls agreeing through the workspaces (the default): a dispatch and combine equal to the
+    reference's; ranks asking for different layouts, one rank's bad argument, an out-of-range expert on one
+    rank, replays of different handles and a combine with a bias on one rank only raise the same
+    error on every rank, each followed by the same calls with agreeing arguments, still equal to the
+    reference's (a refusal leaves the context usable); then the last rank stops calling and the others' next
+    dispatch raises within the bound, naming the agreement."""
     import torch.distributed as dist
 
     import lck_runtime as L
@@ -418,6 +420,31 @@ def agreement(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
         buf.dispatch(x.to(dev), (idx.int() if rank == 0 else idx).to(dev))
     except (TypeError, ValueError) as exc:
         out["local"] = f"{type(exc).__name__}: {exc}"
+    wrong = idx.clone()
+    if rank == 1:
+        wrong[0, 0] = E_PER_RANK * world  # one past the last expert: refused through the agreement's flag
+    try:
+        buf.dispatch(x.to(dev), wrong.to(dev))
+    except ValueError as exc:
+        out["range"] = str(exc)
+    cmp = Compare(rank, "after the refusals")
+    d2, r2 = buf.dispatch(x.to(dev), idx.to(dev)), ref.dispatch(x, idx)
+    cmp("recv_x", d2.recv_x, r2.recv_x)
+    # A replay and a combine launch before their verdict is read: refused, they must not have run anywhere.
+    try:
+        buf.dispatch(x.to(dev), handle=d.handle if rank == 0 else d2.handle)
+    except ValueError as exc:
+        out["replay"] = str(exc)
+    y2 = expert(d2.recv_x, None, rank)
+    try:
+        buf.combine(
+            y2, d2.handle, bias=torch.ones(16, 64, dtype=torch.bfloat16, device=dev) if rank == 0 else None
+        )
+    except ValueError as exc:
+        out["combine"] = str(exc)
+    cmp("replay", buf.dispatch(x.to(dev), handle=d2.handle).recv_x, ref.dispatch(x, handle=r2.handle).recv_x)
+    cmp("combine", buf.combine(y2, d2.handle).combined_x, ref.combine(y2.cpu(), r2.handle).combined_x)
+    out["errors"] += cmp.errors
     dist.barrier()
     if rank != world - 1:
         timed_failure(out, "stop", lambda: buf.dispatch(x.to(dev), idx.to(dev)))

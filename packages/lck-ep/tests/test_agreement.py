@@ -64,13 +64,24 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
     from lck_ep.agreement import DIGEST_FIELDS, agree
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
-    calls: list[int] = []
+    calls: list[tuple[int, int, int]] = []
+    settled: list[bool] = []
 
-    def gather(vec: torch.Tensor) -> torch.Tensor:  # what NativeEp.all_gather returns, over gloo here
-        calls.append(vec.numel())
-        parts = [torch.empty_like(vec) for _ in range(world)]
-        dist.all_gather(parts, vec, group=group)
-        return torch.stack(parts)
+    class Exchange:  # what NativeEp.agree_start returns, over gloo here
+        def __init__(self, vec: torch.Tensor) -> None:
+            parts = [torch.empty_like(vec) for _ in range(world)]
+            dist.all_gather(parts, vec, group=group)
+            self._table = torch.stack(parts)
+
+        def table(self) -> torch.Tensor:
+            return self._table
+
+        def settle(self, refused: bool) -> None:
+            settled.append(refused)
+
+    def gather(vec: torch.Tensor, check_words: int, flag_word: int) -> Exchange:
+        calls.append((vec.numel(), check_words, flag_word))
+        return Exchange(vec)
 
     digest = [1] * len(DIGEST_FIELDS)
     extra = torch.tensor([10 + rank, 20 + rank])
@@ -94,18 +105,28 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
         )
     except TypeError as exc:
         out["local"] = str(exc)
-    out["calls"] = calls
+    flagged = torch.tensor([1 if rank == 1 else 0, 0])
+    try:
+        agree(group, cpu, None, DIGEST_FIELDS, digest, flagged, 2, gather, lambda ranks: f"flagged: {ranks}")
+    except ValueError as exc:
+        out["flag"] = str(exc)
+    out["calls"], out["settled"] = calls, settled
     return out
 
 
 def test_agreement_through_a_gather_function_reaches_the_same_verdicts() -> None:
     """``agree(..., gather)`` (the native backend's device agreement) exchanges the vector through ``gather``
     once per agreement and reads it as the group's all-gather would: the extra part in rank order, a
-    disagreement and a rank's local error raised alike on every rank (the messages still travel through the
-    group)."""
+    disagreement, a rank's local error and a flagged extra word raised alike on every rank (the messages still
+    travel through the group), each after the exchange has been told the verdict (``settle``), so that the
+    device can clear its refusal."""
     outs = run_workers(_through_gather, 2, timeout=120)
     for out in outs:
         assert out["table"] == [[10, 20], [11, 21]]
         assert "Buffer.dispatch: ranks disagree on hidden (rank 0: 7, rank 1: 8)" in out["disagree"], out
         assert out["local"] == "rank 1: x is float64", out["local"]
-        assert out["calls"] == [1 + 11 + 2] * 3
+        assert out["flag"] == "flagged: [1]", out
+        # the device checks the status and the 11 digest words, and with a flag the first extra word
+        assert out["calls"] == [(1 + 11 + 2, 12, -1)] * 3 + [(1 + 11 + 2, 12, 12)]
+        # the device is told the verdict, which it reached itself: agreed, then three refusals
+        assert out["settled"] == [False, True, True, True]

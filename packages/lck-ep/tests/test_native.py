@@ -200,13 +200,14 @@ def test_a_combine_whose_ranks_take_their_input_differently_raises_on_every_rank
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-def test_native_with_the_device_agreement_equals_reference_bit_for_bit(world: int) -> None:
-    """The whole suite with its synced calls agreeing through the workspaces (EP_DEVICE_AGREEMENT=1)."""
+def test_native_with_the_group_agreement_equals_reference_bit_for_bit(world: int) -> None:
+    """The whole suite with its synced calls agreeing over the process group (EP_DEVICE_AGREEMENT=0) instead
+    of through the workspaces (the default, which the other suite runs)."""
     from _native_worker import suite
 
     need_gpus(world)
     seed = random.randrange(1, 2**30)
-    env = gpu_env(world, {"EP_DEVICE_AGREEMENT": "1"})
+    env = gpu_env(world, {"EP_DEVICE_AGREEMENT": "0"})
     outs = run_workers(suite, world, seed, timeout=300, env=env)
     errors = [e for per_rank in outs for e in per_rank]
     assert not errors, f"seed {seed}:\n" + "\n".join(errors[:40])
@@ -215,18 +216,24 @@ def test_native_with_the_device_agreement_equals_reference_bit_for_bit(world: in
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_device_agreement_raises_the_same_error_on_every_rank(world: int) -> None:
+    """Synced calls agreeing through the workspaces (the default): refused arguments raise the same error on
+    every rank, including the replay and the combine, whose launches are enqueued before the verdict is read
+    (the device skips them), and the context stays usable after each refusal."""
     from _native_worker import agreement
 
     need_gpus(world)
     bound = 2.0
-    env = gpu_env(world, {"EP_DEVICE_AGREEMENT": "1"})
-    outs = run_workers(agreement, world, bound, timeout=TIMEOUT, env=env)
+    outs = run_workers(agreement, world, bound, timeout=TIMEOUT, env=gpu_env(world))
     for r, o in enumerate(outs):
         assert o["backend"] == "nvshmem" and o["device_agreement"], (r, o)
         assert not o["errors"], o["errors"]
         assert "ranks disagree on expand (rank 0: False, rank 1: True" in o.get("disagree", ""), (r, o)
         assert o.get("local", "").startswith("TypeError: rank 0: dispatch: topk_idx"), (r, o)
-    assert len({o["disagree"] for o in outs}) == 1 and len({o["local"] for o in outs}) == 1
+        assert "outside [-1," in o.get("range", "") and "rank 1" in o.get("range", ""), (r, o)
+        assert "ranks disagree on handle_seq" in o.get("replay", ""), (r, o)
+        assert "ranks disagree on num_bias (rank 0: 1, rank 1: 0" in o.get("combine", ""), (r, o)
+    for key in ("disagree", "local", "range", "replay", "combine"):
+        assert len({o[key] for o in outs}) == 1, (key, [o[key] for o in outs])
     for r, o in enumerate(outs[:-1]):
         err = o.get("stop", "")
         assert err.startswith("NativeTimeoutError"), (r, o)

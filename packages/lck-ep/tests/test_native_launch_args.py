@@ -374,27 +374,37 @@ def test_native_all_gather_arguments_and_sequence() -> None:
     ep.device = torch.device("cpu")
     ep._mailbox, ep._slot_words, ep._agreements = 7 << 20, 40, 0
     ep._status_word = ep.status_host.numpy()
+    # The buffers made on first use, made here on the CPU: the output, its host copy and the event.
+    ep._agree_out = torch.zeros(4 * 40, dtype=torch.int64)
+    ep._agree_host = torch.zeros(4 * 40 + 6, dtype=torch.int64)
+    ep._agree_done = SimpleNamespace(record=lambda: None, synchronize=lambda: None)
     vec = torch.arange(39, dtype=torch.int64)
     launch = ep.launchers["ep_agree"]
     for seq in (1, 2):
         table = ep.all_gather(vec, 17)
         assert table.shape == (4, 39) and table.dtype == torch.int64 and table.device.type == "cpu"
-        values = launch.calls[seq - 1][1]
-        out = values[8]  # the output's address: the tensor read back
         assert_launch(launch, seq - 1, 1, [
-            vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), Ptr(out), ep.status,
-            U64(17),
+            vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39],
+            ep.status, U64(17), I32(0), I32(-1),
         ])  # fmt: skip
+    # a synced call's agreement: status and digest words checked, and a flag word, on the device
+    exchange = ep.agree_start(vec, 17, 12, 12)
+    assert_launch(launch, 2, 1, [
+        vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(3), ep._agree_out[: 4 * 39],
+        ep.status, U64(17), I32(12), I32(12),
+    ])  # fmt: skip
+    with pytest.raises(RuntimeError, match="differs from the host's"):
+        exchange.settle(True)  # the (recorded, not run) kernel refused nothing
     with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
         ep.all_gather(torch.arange(40, dtype=torch.int64), 17)
-    assert len(launch.calls) == 2 and ep._agreements == 2
+    assert len(launch.calls) == 3 and ep._agreements == 3
 
 
 def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     from lck_ep.agreement import DEVICE_AGREEMENT, _show
 
     assert NativeEp.agrees_on_device and not HybridEp.agrees_on_device
-    for value, want in (("", False), ("0", False), ("1", True)):
+    for value, want in (("", True), ("0", False), ("1", True)):
         monkeypatch.setenv("EP_DEVICE_AGREEMENT", value)
         assert native.device_agreement_requested() is want
     monkeypatch.setenv("EP_DEVICE_AGREEMENT", "yes")
@@ -405,5 +415,5 @@ def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.Monkey
         ep.device_agreement = on
         assert ep.signature == signature
     # what a Buffer's construction says when ranks differ
-    assert _show("native", DEVICE_AGREEMENT) == "nvshmem, EP_DEVICE_AGREEMENT=1"
-    assert (_show("native", 0), _show("native", 1)) == ("reference", "nvshmem")
+    assert _show("native", DEVICE_AGREEMENT) == "nvshmem"
+    assert (_show("native", 0), _show("native", 1)) == ("reference", "nvshmem, EP_DEVICE_AGREEMENT=0")

@@ -91,13 +91,13 @@ def pushed(buf: Any, fn: Any) -> Any:
     return run
 
 
-def device_agreement(buf: Any, fn: Any) -> Any:
-    """``fn`` run with ``buf``'s synced calls agreeing through the native workspaces
-    (:meth:`lck_ep.native.NativeEp.all_gather`) instead of the process group."""
+def group_agreement(buf: Any, fn: Any) -> Any:
+    """``fn`` run with ``buf``'s synced calls agreeing over its process group (``EP_DEVICE_AGREEMENT=0``)
+    instead of through the native workspaces."""
 
     def run() -> Any:
         before = buf._gather
-        buf._gather = buf._device_gather()
+        buf._gather = None
         try:
             return fn()
         finally:
@@ -138,14 +138,17 @@ def _bench_shape(
     attempt("dispatch_expanded", "lck_nvshmem_sync_free_push", label, pushed(free, expanded), sent)
     de = expanded()
     attempt("combine", "lck_nvshmem", label, lambda: synced.combine(d.recv_x, d.handle), sent)
-    # The synced calls agreeing through the workspaces (EP_DEVICE_AGREEMENT=1) instead of over gloo: the same
-    # Buffer switched on every PE at the same point, as pushed() switches the rows.
-    fresh = device_agreement(synced, lambda: synced.dispatch(x, idx, w))
-    attempt("dispatch", "lck_nvshmem_device_agreement", label, fresh, sent)
-    cached = device_agreement(synced, lambda: synced.dispatch(x, handle=d.handle))
-    attempt("dispatch_cached", "lck_nvshmem_device_agreement", label, cached, sent)
-    combine = device_agreement(synced, lambda: synced.combine(d.recv_x, d.handle))
-    attempt("combine", "lck_nvshmem_device_agreement", label, combine, sent)
+    synced.combine_input(d.handle).copy_(d.recv_x)
+    synced_zero_copy = lambda: synced.combine(synced.combine_input(d.handle), d.handle)
+    attempt("combine", "lck_nvshmem_zero_copy", label, synced_zero_copy, sent)
+    # The same synced calls agreeing over the process group (gloo here; EP_DEVICE_AGREEMENT=0) instead of
+    # through the workspaces: the same Buffer switched on every PE at the same point, as pushed() switches rows.
+    fresh = group_agreement(synced, lambda: synced.dispatch(x, idx, w))
+    attempt("dispatch", "lck_nvshmem_group_agreement", label, fresh, sent)
+    cached = group_agreement(synced, lambda: synced.dispatch(x, handle=d.handle))
+    attempt("dispatch_cached", "lck_nvshmem_group_agreement", label, cached, sent)
+    combine = group_agreement(synced, lambda: synced.combine(d.recv_x, d.handle))
+    attempt("combine", "lck_nvshmem_group_agreement", label, combine, sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
     # The expert outputs written straight into the workspace (Buffer.combine_input, filled once here: the
     # expert kernel's own stores are not the combine's), read there by their sources.

@@ -55,7 +55,7 @@ from lck_ep._construction import check_args, check_group, resolve_device
 
 # Re-exported: lck_ep.benchmark imports it from this module.
 from lck_ep._construction import kernel_layout_available as kernel_layout_available
-from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, agree
+from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, Agreement, agree, start_agreement
 from lck_ep.checks import (
     X_DTYPES,
     CombinePlan,
@@ -217,8 +217,9 @@ class Buffer:
             self.num_sms = num_sms or 0
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
-        # Synced calls agree through the group (on _home), or through the native workspaces (EP_DEVICE_AGREEMENT=1,
-        # the same on every rank: part of the construction digest above), on the Buffer's device.
+        # Synced calls agree through the native workspaces on the Buffer's device, or through the group (on _home)
+        # for the reference and hybrid backends and with EP_DEVICE_AGREEMENT=0 (the same on every rank: part of
+        # the construction digest above).
         self._gather = None
         if self._native is not None and self._native.device_agreement:
             self._gather = self._device_gather()
@@ -365,17 +366,24 @@ class Buffer:
         return self._dispatch_synced(plan, error)
 
     def _device_gather(self) -> Any:
-        """The native state's all-gather through the workspaces, with this Buffer's bound."""
+        """The native state's exchange through the workspaces (:meth:`lck_ep.native.NativeEp.agree_start`),
+        with this Buffer's bound."""
         assert self._native is not None
-        return functools.partial(self._native.all_gather, timeout_ns=self.timeout_ns)
+        return functools.partial(self._native.agree_start, timeout_ns=self.timeout_ns)
 
     def _agree(
-        self, error: BaseException | None, digest: list[int] | None, extra: torch.Tensor | None
-    ) -> torch.Tensor:
-        """A synced call's agreement (:func:`lck_ep.agreement.agree`): over the group, or through the native
-        workspaces on the Buffer's device when ``_gather`` is set."""
+        self,
+        error: BaseException | None,
+        digest: list[int] | None,
+        extra: torch.Tensor | None,
+        flag: Any = None,
+    ) -> Agreement:
+        """A synced call's agreement (:func:`lck_ep.agreement.start_agreement`): over the group, complete on
+        return, or through the native workspaces on the Buffer's device when ``_gather`` is set, deferred:
+        the call's launches may then be enqueued before :meth:`Agreement.result`, which the device skips on
+        every rank when the arguments are refused."""
         home = self._home if self._gather is None else self.device
-        return agree(
+        agreement = start_agreement(
             self.group,
             home,
             error,
@@ -384,7 +392,23 @@ class Buffer:
             extra,
             1 + self.num_ranks + self.num_experts,
             self._gather,
+            flag,
         )
+        if error is not None:
+            agreement.result()  # raises: this rank has nothing to launch
+        return agreement
+
+    @staticmethod
+    def _then(agreement: Agreement, launch: Any) -> Any:
+        """``launch()`` enqueued before a deferred agreement's verdict is read (before a complete one's, it
+        has been), then the verdict: a refusal raises on every rank, the launches having returned at once."""
+        try:
+            out = launch()
+        except BaseException:
+            agreement.result()  # a refusal is why: raise it rather than what it caused
+            raise
+        agreement.result()
+        return out
 
     def _check_native_rows(self, plan: DispatchPlan | CombinePlan, op: str) -> None:
         """The native kernels move rows as bytes within the workspace's rows (sized by the MoEConfig for
@@ -441,24 +465,27 @@ class Buffer:
                     ]
                 )
         digest = plan.digest() if plan is not None else None
-        table = self._agree(error, digest, extra)
-        assert plan is not None
-        given, plan = plan, self._packed(plan)
-        if plan.handle is not None:
-            if self._native is not None:
-                recv_x = _native_exchange.replay(self, plan.handle, plan.x)
-            else:
-                recv_x = _exchange.replay_synced(self._topo, plan.handle, plan.x)
-            return DispatchOutput(self._unpacked(recv_x, given), None, None, plan.handle, Event(self.device))
-        assert layout is not None
-        # Each rank's flag and tokens per rank as Python ints at once (an op per element costs the host more).
-        heads = table[:, : 1 + w].tolist()
-        bad_ranks = [s for s in range(w) if heads[s][0]]
-        if bad_ranks:
-            raise ValueError(
-                f"dispatch: topk_idx on rank {bad_ranks[0]} has entries outside [-1, {e}) "
-                f"(expected -1 or a global expert index; ranks with such entries: {bad_ranks})"
+
+        def out_of_range(ranks: list[int]) -> str:
+            return (
+                f"dispatch: topk_idx on rank {ranks[0]} has entries outside [-1, {e}) "
+                f"(expected -1 or a global expert index; ranks with such entries: {ranks})"
             )
+
+        if plan is not None and plan.handle is not None:  # a replay needs nothing from the table
+            agreement = self._agree(error, digest, None)
+            given, plan = plan, self._packed(plan)
+            h = plan.handle
+            if self._native is not None:
+                recv_x = self._then(agreement, lambda: _native_exchange.replay(self, h, plan.x))
+            else:
+                recv_x = self._then(agreement, lambda: _exchange.replay_synced(self._topo, h, plan.x))
+            return DispatchOutput(self._unpacked(recv_x, given), None, None, h, Event(self.device))
+        table = self._agree(error, digest, extra, out_of_range).result()
+        assert plan is not None and layout is not None
+        given, plan = plan, self._packed(plan)
+        # Each rank's tokens per rank as Python ints at once (an op per element costs the host more).
+        heads = table[:, : 1 + w].tolist()
         send_counts = heads[r][1:]
         recv_counts = [heads[s][1 + r] for s in range(w)]
         mine = 1 + w + r * big_l  # this rank's experts' columns
@@ -583,7 +610,13 @@ class Buffer:
             if error is not None:
                 raise error
         else:
-            self._agree(error, plan.digest() if plan is not None else None, None)
+            agreement = self._agree(error, plan.digest() if plan is not None else None, None)
+            assert plan is not None
+            if self._native is not None:
+                out = self._then(agreement, lambda: _native_exchange.combine(self, plan))
+            else:
+                out = self._then(agreement, lambda: _exchange.combine(self._topo, plan))
+            return CombineOutput(out, Event(self.device))
         assert plan is not None
         if self._native is not None:
             return CombineOutput(_native_exchange.combine(self, plan), Event(self.device))

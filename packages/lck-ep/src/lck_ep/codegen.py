@@ -225,8 +225,10 @@ _NATIVE_BODIES = {
     "ep_agree": (
         "agree.cuh",
         """const long long* vec, long long n, const long long* peer_ws, long long mailbox_offset, long long slot_words,
-    int num_ranks, int me, unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns""",
-        """lck_ep::AgreeArgs a{vec, n, peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns};
+    int num_ranks, int me, unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns,
+    int check_words, int flag_word""",
+        """lck_ep::AgreeArgs a{vec, n, peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns,
+                     check_words, flag_word};
     lck_ep::agree_exchange(a);""",
     ),
     "ep_reduce_expanded": (

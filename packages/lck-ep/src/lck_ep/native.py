@@ -20,8 +20,10 @@ Every kernel is bound once per state (``lck_runtime.jit.Kernel.bind``, with the 
 state's constant buffers as addresses read once, absent tensors as 0. A per-call ``Kernel.launch`` (typed
 wrappers, per-argument checks) had cost a dispatch more host time than its GPU time at small sizes.
 
-A synced call's argument agreement may also run here (:meth:`NativeEp.all_gather`, ``EP_DEVICE_AGREEMENT=1``):
+A synced call's argument agreement runs here too (:meth:`NativeEp.agree_start`, unless ``EP_DEVICE_AGREEMENT=0``):
 every member's vector through the mailbox at the end of each workspace (``csrc/agree.cuh``), then one host read.
+The kernel reaches the host's verdict itself, so a synced call enqueues its launches before that read: when
+the arguments are refused, every member's launches return at once and every member raises the same error.
 
 Waits are bounded: a member that does not arrive within the Buffer's ``timeout_s`` leaves a diagnostic
 instead of a hang; every later call on the context raises it (:class:`NativeTimeoutError`), and
@@ -88,10 +90,12 @@ _PHASES = {
     4: "combine, waiting for a destination's partial rows",
     9: "a synced call's argument agreement, waiting for a member's arguments",
 }
-# EP_DEVICE_AGREEMENT=1: synced calls agree on their arguments through the workspaces' mailboxes (ep_agree).
+# Synced calls agree on their arguments through the workspaces' mailboxes (ep_agree) unless EP_DEVICE_AGREEMENT=0.
 DEVICE_AGREEMENT_ENV = "EP_DEVICE_AGREEMENT"
 # status[0] of a combine whose members took their input differently (ep_native.cuh)
 _MIXED_COMBINE = 4
+# status[0] after a synced call's agreement refused its arguments (agree.cuh): cleared once the host raises
+_AGREE_REFUSED = 5
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], dict[str, Any]] = {}
 _STATES: dict[int, NativeEp] = {}
@@ -99,6 +103,38 @@ _STATES: dict[int, NativeEp] = {}
 
 class NativeTimeoutError(RuntimeError):
     """A native dispatch or combine waited longer than its bound for a member (or saw it out of step)."""
+
+
+class DeviceExchange:
+    """An agreement's exchange enqueued by :meth:`NativeEp.agree_start` (:class:`lck_ep.agreement.Exchange`)."""
+
+    def __init__(self, state: NativeEp, n: int) -> None:
+        self._state, self._n = state, n
+
+    def table(self) -> torch.Tensor:
+        """The ``[W, n]`` table on the host, once the exchange (not what was launched after it) is done;
+        raises :class:`NativeTimeoutError` when a member did not arrive."""
+        st = self._state
+        st._agree_done.synchronize()
+        host = st._agree_host
+        status = host[-st.status.numel() :]
+        if int(status[0]) not in (0, _AGREE_REFUSED):
+            st.status_host.copy_(status)
+            st.raise_if_failed()
+        return host[: st.size * self._n].view(st.size, self._n).clone()
+
+    def settle(self, refused: bool) -> None:
+        """The host's verdict on the table: when refused, the device refused too (status code 5, which
+        made the calls launched since return at once); clear it so that the context stays usable."""
+        st = self._state
+        gated = int(st._agree_host[-st.status.numel()]) == _AGREE_REFUSED
+        if refused != gated:
+            raise RuntimeError(
+                f"lck_ep: the device agreement's verdict ({'refused' if gated else 'agreed'}) differs from the "
+                f"host's ({'refused' if refused else 'agreed'}) on the same table: a bug in lck_ep"
+            )
+        if refused:
+            st._clear_refusal()
 
 
 @dataclass(frozen=True)
@@ -139,12 +175,12 @@ def native_problem(*, hidden: int, num_topk: int, num_ranks: int, max_tokens: in
 
 
 def device_agreement_requested() -> bool:
-    """Whether ``EP_DEVICE_AGREEMENT`` asks synced native calls to agree through the workspaces ("1"), or
-    not ("0", empty or unset: through the Buffer's process group)."""
+    """Whether ``EP_DEVICE_AGREEMENT`` lets synced native calls agree through the workspaces ("1", empty or
+    unset), or sends them through the Buffer's process group ("0")."""
     value = os.environ.get(DEVICE_AGREEMENT_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{DEVICE_AGREEMENT_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return value != "0"
 
 
 def _jit() -> Any:
@@ -259,7 +295,7 @@ class NativeEp:
     zero_copy_combine = True
     # The handle whose zero-copy input combine_input handed out since the last operation (or None).
     armed: Any = None
-    # Synced calls may agree on their arguments through the workspaces (all_gather; EP_DEVICE_AGREEMENT=1):
+    # Synced calls agree on their arguments through the workspaces (agree_start; off with EP_DEVICE_AGREEMENT=0):
     # the hybrid pair's members on other hosts have no mapped workspace to write into.
     agrees_on_device = True
 
@@ -287,6 +323,9 @@ class NativeEp:
         self._mailbox = moe_agreement_offset(cfg, self.size)
         self._slot_words = moe_agreement_slot_words(cfg, self.size)
         self._agreements = 0
+        self._agree_out: torch.Tensor | None = None  # the agreement's output and host copy, made on first use
+        self._agree_host: torch.Tensor | None = None
+        self._agree_done: Any = None
         self.kernels = build_native_kernels(device.index)
         self.launchers = bind_kernels(self.kernels, NATIVE_KINDS, device.index)
         self.device_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -337,6 +376,12 @@ class NativeEp:
         ranks = self.ctx.ranks
         if code == 1:
             detail = f"waited {waited / 1e9:.1f} s for group rank {who} (global rank {ranks[who]})"
+        elif code == _AGREE_REFUSED:  # only seen if the host never read the refusing agreement's verdict
+            raise NativeTimeoutError(
+                f"lck_ep native backend on group rank {self.me}: a synced call's arguments were refused on the "
+                "device and the call was interrupted before raising why; this context's native state is "
+                "unusable now (finalize and configure again)"
+            )
         elif code == _MIXED_COMBINE:
             how = ("a plain tensor", "Buffer.combine_input's zero-copy rows")
             raise NativeTimeoutError(
@@ -624,12 +669,18 @@ class NativeEp:
         )
 
     # -- argument agreement ----------------------------------------------------------------------------
-    def all_gather(self, vec: torch.Tensor, timeout_ns: int) -> torch.Tensor:
-        """Every member's ``vec`` (int64, contiguous, on this state's device, the same length everywhere) as
-        ``[W, n]`` on the host, by member: exchanged through the workspaces' mailboxes (ep_agree) instead of
-        a process-group all-gather, then read once by the host (which synchronises with the stream).
-        Collective over the context's members, in the same sequence of agreements everywhere; a member that
-        does not arrive within ``timeout_ns`` makes it raise :class:`NativeTimeoutError`."""
+    def agree_start(
+        self, vec: torch.Tensor, timeout_ns: int, check_words: int, flag_word: int
+    ) -> DeviceExchange:
+        """Enqueue the all-gather of every member's ``vec`` (int64, contiguous, on this state's device, the
+        same length everywhere) through the workspaces' mailboxes (ep_agree) and the copy of the ``[W, n]``
+        result to the host, without waiting. The kernel also reaches the host's verdict: when a member's
+        status word (``vec[0]``) is set, the next ``check_words - 1`` words differ between members, or word
+        ``flag_word`` (>= 0) is set on any member, it records status code 5 on this member, so that every
+        dispatch or combine launched after it returns at once, on every member alike, until
+        :meth:`DeviceExchange.settle`. Collective over the context's members, in the same sequence of
+        agreements everywhere; a member that does not arrive within ``timeout_ns`` makes
+        :meth:`DeviceExchange.table` raise :class:`NativeTimeoutError`."""
         n = vec.numel()
         if n > self._slot_words - 1:
             raise ValueError(
@@ -637,8 +688,13 @@ class NativeEp:
                 f"({self._slot_words - 1} words)"
             )
         self.raise_if_failed()
+        if self._agree_out is None:  # [W, slot_words] on the device and pinned, the status after them
+            words = self.size * self._slot_words
+            self._agree_out = torch.empty(words, dtype=torch.int64, device=self.device)
+            self._agree_host = torch.empty(words + self.status.numel(), dtype=torch.int64, pin_memory=True)
+            self._agree_done = torch.cuda.Event()
         self._agreements += 1
-        out = torch.empty(self.size, n, dtype=torch.int64, device=self.device)
+        out = self._agree_out[: self.size * n]
         self.launchers["ep_agree"](
             1,
             [
@@ -653,11 +709,30 @@ class NativeEp:
                 out.data_ptr(),
                 self._status,
                 timeout_ns,
+                check_words,
+                flag_word,
             ],
         )
-        table = out.cpu()  # synchronises: ep_agree has finished
-        self._raise_from_device()
+        host = self._agree_host
+        host[: out.numel()].copy_(out, non_blocking=True)
+        host[-self.status.numel() :].copy_(self.status, non_blocking=True)
+        self._agree_done.record()
+        return DeviceExchange(self, n)
+
+    def all_gather(self, vec: torch.Tensor, timeout_ns: int) -> torch.Tensor:
+        """Every member's ``vec`` as ``[W, n]`` on the host, by member (:meth:`agree_start` without a verdict,
+        waited for at once)."""
+        exchange = self.agree_start(vec, timeout_ns, 0, -1)
+        table = exchange.table()
+        exchange.settle(False)
         return table
+
+    def _clear_refusal(self) -> None:
+        """Clear status code 5 (a refused agreement): the launches it skipped have run, on every member."""
+        stream = torch.cuda.current_stream(self.device)
+        self.status.zero_()
+        stream.synchronize()  # also lands every mirror of the status still in flight
+        self.status_host.zero_()
 
     # -- zero-copy combine -----------------------------------------------------------------------------
     def combine_input(

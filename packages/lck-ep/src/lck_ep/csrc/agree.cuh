@@ -14,6 +14,13 @@
 // One block (one waiting thread per member). A member that does not arrive within timeout_ns leaves the
 // context's diagnostic (code 1, or 2 for a member at another agreement: it made different calls), as the
 // dispatch and combine waits do.
+//
+// The verdict. With check_words > 0 the kernel also decides what the host will decide on the same table
+// (lck_ep.agreement._verdict): the call is refused when a member's status word (word 0) is set, when words
+// [1, check_words) differ between members, or when word flag_word (if >= 0) is set on any member. A refusal
+// records code 5 in status, so that the dispatch or combine launched after this kernel returns at once on
+// every member alike (the members all read the same table), before the host has read anything; the host
+// raises the error and clears the code.
 #pragma once
 
 #include "ep_native.cuh"
@@ -33,7 +40,11 @@ struct AgreeArgs {
   long long* out;            // [W, n] the members' vectors, by member
   long long* status;
   unsigned long long timeout_ns;
+  int check_words;  // the status and digest words the verdict compares (0: no verdict)
+  int flag_word;    // a word no member may set (-1: none)
 };
+
+constexpr long long kAgreeRefused = 5;
 
 __device__ __forceinline__ long long* agree_slot(const AgreeArgs& a, int member, int owner) {
   long long* box = reinterpret_cast<long long*>(reinterpret_cast<uint8_t*>(a.peer_ws[owner]) + a.mailbox_offset);
@@ -63,6 +74,18 @@ __device__ inline void agree_exchange(const AgreeArgs& a) {
     const int s = static_cast<int>(i / a.n);
     const long long j = i - s * a.n;
     a.out[i] = *reinterpret_cast<const volatile long long*>(agree_slot(a, s, a.me) + 1 + j);
+  }
+  if (a.check_words <= 0) return;
+  __syncthreads();  // the block's copies of the table are visible to thread 0
+  if (threadIdx.x == 0) {
+    long long refuse = -1;  // the first member whose words refuse the call
+    for (int s = 0; s < a.num_ranks && refuse < 0; ++s) {
+      const long long* row = a.out + s * a.n;
+      bool bad = row[0] != 0 || (a.flag_word >= 0 && row[a.flag_word] != 0);
+      for (int j = 1; j < a.check_words && !bad; ++j) bad = row[j] != a.out[j];
+      if (bad) refuse = s;
+    }
+    if (refuse >= 0) report(a.status, kAgreeRefused, kPhaseAgree, refuse, 0, 0, 0);
   }
 }
 

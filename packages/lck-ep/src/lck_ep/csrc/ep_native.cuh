@@ -29,7 +29,8 @@
 // Waits are bounded: a wait that outlasts timeout_ns records a diagnostic in status[] and the kernel
 // stops; later kernels of the context see the diagnostic and return at once, and the host raises it.
 //   status[0] 0 ok, 1 timed out, 2 out of step (a peer is an operation ahead or behind), 4 a combine whose
-//            members took their input differently (zero-copy on some, pushed on others)
+//            members took their input differently (zero-copy on some, pushed on others), 5 a synced call's
+//            agreement refused its arguments (agree.cuh; the host clears it once it has raised why)
 //   status[1] phase (kPhase*), status[2] the member waited for, status[3] the value seen,
 //   status[4] the value expected, status[5] nanoseconds waited
 #pragma once
