@@ -366,7 +366,7 @@ def test_hybrid_send_partials_arguments() -> None:
     ])  # fmt: skip
 
 
-def test_native_all_gather_arguments_and_sequence() -> None:
+def test_native_all_gather_arguments_and_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device agreement: one block, this member's vector, the mailbox's place and slots, the agreement's
     number (1, 2, ... on every member alike), the output read back [W, n]; a vector longer than a slot is
     refused before anything is launched."""
@@ -377,7 +377,8 @@ def test_native_all_gather_arguments_and_sequence() -> None:
     # The buffers made on first use, made here on the CPU: the output, its host copy and the event.
     ep._agree_out = torch.zeros(4 * 40, dtype=torch.int64)
     ep._agree_host = torch.zeros(4 * 40 + 6, dtype=torch.int64)
-    ep._agree_done = SimpleNamespace(record=lambda: None, synchronize=lambda: None)
+    ep._agree_done = SimpleNamespace(record=lambda stream: None, synchronize=lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     vec = torch.arange(39, dtype=torch.int64)
     launch = ep.launchers["ep_agree"]
     for seq in (1, 2):
@@ -417,3 +418,16 @@ def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.Monkey
     # what a Buffer's construction says when ranks differ
     assert _show("native", DEVICE_AGREEMENT) == "nvshmem"
     assert (_show("native", 0), _show("native", 1)) == ("reference", "nvshmem, EP_DEVICE_AGREEMENT=0")
+
+
+def test_a_buffer_gathers_through_its_native_state_with_its_bound() -> None:
+    """What a Buffer hands the agreement (``Buffer._device_gather``): the state's exchange, called the way
+    :func:`lck_ep.agreement.start_agreement` calls it, with the Buffer's bound."""
+    from lck_ep import Buffer
+
+    calls: list[tuple[Any, ...]] = []
+    state = SimpleNamespace(agree_start=lambda *args: calls.append(args) or "exchange")
+    gather = Buffer._device_gather(SimpleNamespace(_native=state, timeout_ns=5_000))
+    vec = torch.arange(3)
+    assert gather(vec, 12, -1) == "exchange"
+    assert calls == [(vec, 5_000, 12, -1)]

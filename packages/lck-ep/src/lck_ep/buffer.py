@@ -43,7 +43,6 @@ data movement after a call's agreement in :mod:`lck_ep._exchange`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any, NamedTuple
 
@@ -368,8 +367,9 @@ class Buffer:
     def _device_gather(self) -> Any:
         """The native state's exchange through the workspaces (:meth:`lck_ep.native.NativeEp.agree_start`),
         with this Buffer's bound."""
-        assert self._native is not None
-        return functools.partial(self._native.agree_start, timeout_ns=self.timeout_ns)
+        st, timeout_ns = self._native, self.timeout_ns
+        assert st is not None
+        return lambda vec, check_words, flag_word: st.agree_start(vec, timeout_ns, check_words, flag_word)
 
     def _agree(
         self,

@@ -716,7 +716,7 @@ class NativeEp:
         host = self._agree_host
         host[: out.numel()].copy_(out, non_blocking=True)
         host[-self.status.numel() :].copy_(self.status, non_blocking=True)
-        self._agree_done.record()
+        self._agree_done.record(torch.cuda.current_stream(self.device))
         return DeviceExchange(self, n)
 
     def all_gather(self, vec: torch.Tensor, timeout_ns: int) -> torch.Tensor:
