@@ -167,7 +167,12 @@ def start_agreement(
     n = len(fields)
     head = [1 if local_error is not None else 0]
     head += [0] * n if local_error is not None or digest is None else [int(v) for v in digest]
-    vec = torch.tensor(head, dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        # From pinned memory without waiting: torch.tensor(..., device=cuda) would copy from pageable memory
+        # and synchronise the stream, so that a synced call first waited for every earlier launch.
+        vec = torch.tensor(head, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    else:
+        vec = torch.tensor(head, dtype=torch.int64, device=device)
     if extra_len:
         tail = (
             extra.to(device=device, dtype=torch.int64).reshape(-1)
