@@ -431,3 +431,34 @@ def test_a_buffer_gathers_through_its_native_state_with_its_bound() -> None:
     vec = torch.arange(3)
     assert gather(vec, 12, -1) == "exchange"
     assert calls == [(vec, 5_000, 12, -1)]
+
+
+def test_a_deferred_verdict_is_read_after_the_launches_and_wins_over_their_errors() -> None:
+    """``Buffer._then``: the launches first, then the verdict; a refusal is raised in place of an error the
+    refused launches caused, and a launch's own error when the arguments agreed."""
+    from lck_ep import Buffer
+
+    order: list[str] = []
+
+    def verdict(refused: bool) -> Any:
+        def result() -> None:
+            order.append("verdict")
+            if refused:
+                raise ValueError("ranks disagree")
+
+        return SimpleNamespace(result=result)
+
+    def launch() -> int:
+        order.append("launch")
+        return 7
+
+    def broken() -> None:
+        raise RuntimeError("launch failed")
+
+    assert Buffer._then(verdict(False), launch) == 7 and order == ["launch", "verdict"]
+    with pytest.raises(ValueError, match="ranks disagree"):
+        Buffer._then(verdict(True), launch)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        Buffer._then(verdict(True), broken)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        Buffer._then(verdict(False), broken)
