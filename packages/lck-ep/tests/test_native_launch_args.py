@@ -366,7 +366,7 @@ def test_hybrid_send_partials_arguments() -> None:
     ])  # fmt: skip
 
 
-def test_native_all_gather_arguments_and_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_agreement_exchange_arguments_and_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device agreement: one block, this member's vector, the mailbox's place and slots, the agreement's
     number (1, 2, ... on every member alike), the output read back [W, n]; a vector longer than a slot is
     refused before anything is launched."""
@@ -382,7 +382,9 @@ def test_native_all_gather_arguments_and_sequence(monkeypatch: pytest.MonkeyPatc
     vec = torch.arange(39, dtype=torch.int64)
     launch = ep.launchers["ep_agree"]
     for seq in (1, 2):
-        table = ep.all_gather(vec, 17)
+        exchange = ep.agree_start(vec, 17, 0, -1)  # an exchange without a verdict
+        table = exchange.table()
+        exchange.settle(False)
         assert table.shape == (4, 39) and table.dtype == torch.int64 and table.device.type == "cpu"
         assert_launch(launch, seq - 1, 1, [
             vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39],
@@ -397,7 +399,7 @@ def test_native_all_gather_arguments_and_sequence(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match="differs from the host's"):
         exchange.settle(True)  # the (recorded, not run) kernel refused nothing
     with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
-        ep.all_gather(torch.arange(40, dtype=torch.int64), 17)
+        ep.agree_start(torch.arange(40, dtype=torch.int64), 17, 0, -1)
     assert len(launch.calls) == 3 and ep._agreements == 3
 
 

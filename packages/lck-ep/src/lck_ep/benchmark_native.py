@@ -77,33 +77,36 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
     return rows
 
 
-def pushed(buf: Any, fn: Any) -> Any:
-    """``fn`` run with ``buf``'s native state pushing dispatched rows instead of pulling them."""
+def _with(obj: Any, name: str, value: Any, fn: Any) -> Any:
+    """``fn`` run with ``obj.name`` set to ``value``, then put back (an attribute ``obj`` did not hold itself
+    is deleted again, so that its class's value shows through)."""
 
     def run() -> Any:
-        st = buf._native
-        st.pulls_rows = False
+        own = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, value)
         try:
             return fn()
         finally:
-            del st.pulls_rows  # back to the class's choice
+            if own is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
 
     return run
+
+
+_MISSING = object()
+
+
+def pushed(buf: Any, fn: Any) -> Any:
+    """``fn`` run with ``buf``'s native state pushing dispatched rows instead of pulling them."""
+    return _with(buf._native, "pulls_rows", False, fn)
 
 
 def group_agreement(buf: Any, fn: Any) -> Any:
     """``fn`` run with ``buf``'s synced calls agreeing over its process group (``EP_DEVICE_AGREEMENT=0``)
     instead of through the native workspaces."""
-
-    def run() -> Any:
-        before = buf._gather
-        buf._gather = None
-        try:
-            return fn()
-        finally:
-            buf._gather = before
-
-    return run
+    return _with(buf, "_gather", None, fn)
 
 
 def _bench_shape(

@@ -465,13 +465,6 @@ class Buffer:
                     ]
                 )
         digest = plan.digest() if plan is not None else None
-
-        def out_of_range(ranks: list[int]) -> str:
-            return (
-                f"dispatch: topk_idx on rank {ranks[0]} has entries outside [-1, {e}) "
-                f"(expected -1 or a global expert index; ranks with such entries: {ranks})"
-            )
-
         if plan is not None and plan.handle is not None:  # a replay needs nothing from the table
             agreement = self._agree(error, digest, None)
             given, plan = plan, self._packed(plan)
@@ -481,6 +474,13 @@ class Buffer:
             else:
                 recv_x = self._then(agreement, lambda: _exchange.replay_synced(self._topo, h, plan.x))
             return DispatchOutput(self._unpacked(recv_x, given), None, None, h, Event(self.device))
+
+        def out_of_range(ranks: list[int]) -> str:
+            return (
+                f"dispatch: topk_idx on rank {ranks[0]} has entries outside [-1, {e}) "
+                f"(expected -1 or a global expert index; ranks with such entries: {ranks})"
+            )
+
         table = self._agree(error, digest, extra, out_of_range).result()
         assert plan is not None and layout is not None
         given, plan = plan, self._packed(plan)

@@ -684,7 +684,7 @@ class NativeEp:
         n = vec.numel()
         if n > self._slot_words - 1:
             raise ValueError(
-                f"all_gather: a vector of {n} words does not fit the agreement mailbox's slots "
+                f"agree_start: a vector of {n} words does not fit the agreement mailbox's slots "
                 f"({self._slot_words - 1} words)"
             )
         self.raise_if_failed()
@@ -718,14 +718,6 @@ class NativeEp:
         host[-self.status.numel() :].copy_(self.status, non_blocking=True)
         self._agree_done.record(torch.cuda.current_stream(self.device))
         return DeviceExchange(self, n)
-
-    def all_gather(self, vec: torch.Tensor, timeout_ns: int) -> torch.Tensor:
-        """Every member's ``vec`` as ``[W, n]`` on the host, by member (:meth:`agree_start` without a verdict,
-        waited for at once)."""
-        exchange = self.agree_start(vec, timeout_ns, 0, -1)
-        table = exchange.table()
-        exchange.settle(False)
-        return table
 
     def _clear_refusal(self) -> None:
         """Clear status code 5 (a refused agreement): the launches it skipped have run, on every member."""
