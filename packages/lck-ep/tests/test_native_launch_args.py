@@ -464,3 +464,58 @@ def test_a_deferred_verdict_is_read_after_the_launches_and_wins_over_their_error
         Buffer._then(verdict(True), broken)
     with pytest.raises(RuntimeError, match="launch failed"):
         Buffer._then(verdict(False), broken)
+
+
+def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh synced dispatch on the native backend enqueues the sender (which needs no counts) after its
+    agreement and before the host reads the agreement's table; the receiving half then gets what was sent,
+    the counts the table gave, and the flag word and counts in the agreed vector."""
+    from lck_ep import Buffer, _native_exchange
+    from lck_ep.agreement import Agreement
+    from lck_ep.checks import DispatchPlan
+    from lck_ep.layout import layout_reference
+
+    order: list[str] = []
+    buf = object.__new__(Buffer)
+    buf.num_ranks, buf.num_experts, buf.num_local_experts, buf.rank = 2, 4, 2, 1
+    buf._native, buf.device = SimpleNamespace(), torch.device("cpu")
+    topk_idx = torch.tensor([[0, 3], [2, -1], [1, 1]])
+    plan = DispatchPlan(torch.randn(3, 8), topk_idx, None, None, 3, 2, False, 1, 0)
+    monkeypatch.setattr(Buffer, "_layout", lambda self, idx: layout_reference(idx, 4, 2))
+    # the gathered extra part: [flag, tokens per rank (2), tokens per expert (4)] of ranks 0 and 1
+    table = torch.tensor([[0, 2, 3, 1, 0, 2, 2], [0, 2, 2, 1, 2, 1, 1]])
+
+    def agree(self: Any, error: Any, digest: Any, extra: torch.Tensor, flag: Any) -> Any:
+        order.append("agree")
+        assert error is None and digest == plan.digest()
+        assert extra.tolist() == [0, 2, 2, 1, 2, 1, 1]  # no entry outside [-1, 4); this rank's layout
+        return Agreement(lambda: order.append("table") or table, deferred=True)
+
+    def send(b: Any, p: Any, layout: Any) -> str:
+        order.append("send")
+        return "sent"
+
+    def dispatch(b: Any, p: Any, layout: Any, counts: Any, sent: Any) -> tuple[Any, ...]:
+        order.append("dispatch")
+        assert counts == ([2, 2], [3, 2], [3, 3]) and sent == "sent"  # per local expert: columns 2 and 3
+        return torch.zeros(5, 8), None, None, None
+
+    monkeypatch.setattr(Buffer, "_agree", agree)
+    monkeypatch.setattr(_native_exchange, "send", send)
+    monkeypatch.setattr(_native_exchange, "dispatch", dispatch)
+    Buffer._dispatch_synced(buf, plan, None)
+    assert order == ["agree", "send", "table", "dispatch"]
+    # an entry outside [-1, E) sets the flag word, on either side of the range
+    for bad in (4, -2, 1 << 62):
+        order.clear()
+        idx = topk_idx.clone()
+        idx[2, 0] = bad
+
+        def flagged(self: Any, error: Any, digest: Any, extra: torch.Tensor, flag: Any) -> Any:
+            assert extra[0].item() == 1
+            raise ValueError("refused")
+
+        monkeypatch.setattr(Buffer, "_agree", flagged)
+        with pytest.raises(ValueError, match="refused"):
+            Buffer._dispatch_synced(buf, DispatchPlan(plan.x, idx, None, None, 3, 2, False, 1, 0), None)
+        assert order == []

@@ -12,7 +12,7 @@ there by their sources, not copied (zero-copy).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,10 +21,11 @@ from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
 from lck_ep.expanded import ExpandedMaps, expanded_capacity
 from lck_ep.handle import DispatchHandle
+from lck_ep.host_copy import to_device
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows
 
-__all__ = ["combine", "dispatch", "replay"]
+__all__ = ["Sent", "combine", "dispatch", "replay", "send"]
 
 
 def _receive(buf: BufferView, rows: int, meta: bool, weights: bool) -> dict[str, Any]:
@@ -47,30 +48,49 @@ def _row_bytes(x: torch.Tensor) -> int:
     return x.shape[1] * x.element_size()
 
 
+class Sent(NamedTuple):
+    """What :func:`send` launched: the rows' send slots."""
+
+    slots: torch.Tensor
+
+
+def send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Sent:
+    """The sending half of a fresh dispatch: the send slots and the sender, which need no counts, so that a
+    synced dispatch enqueues them before the host reads its agreement's table."""
+    st: NativeEp = buf._native
+    st.raise_if_failed()
+    st.armed = None  # the staged rows overwrite a zero-copy input handed out before
+    mask = layout.is_token_in_rank
+    with torch.cuda.device(buf.device):
+        slots = st.send_slots(mask)
+        sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
+        st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
+    return Sent(slots)
+
+
 def dispatch(
     buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
     counts: tuple[list[int], list[int], list[int]] | None,
+    sent: Sent | None = None,
 ) -> Dispatched:
-    """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free."""
+    """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
+    ``sent``: :func:`send` already launched it (else it is launched here)."""
     assert plan.topk_idx is not None
+    if sent is None:
+        sent = send(buf, plan, layout)
     st: NativeEp = buf._native
-    st.raise_if_failed()
-    st.armed = None  # the staged rows overwrite a zero-copy input handed out before
     big_l, dev = buf.num_local_experts, buf.device
-    mask = layout.is_token_in_rank
-    slots = st.send_slots(mask)
+    slots = sent.slots
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
     a = plan.expert_alignment
     if counts is not None:
-        send, recv, per_local = counts
+        send_counts, recv, per_local = counts
         m = sum((c + a - 1) // a * a for c in per_local)
     else:
         m = expanded_capacity(rows, plan.num_topk, big_l, a)
     with torch.cuda.device(dev):
-        sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
-        st.send_rows(sent, big_l, buf.num_sms, buf.timeout_ns)
         out = _receive(buf, rows, True, plan.topk_weights is not None)
         # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps); the
         # receiver's first launch zeroes them.
@@ -92,10 +112,10 @@ def dispatch(
             st.copy_rows(plan.x, out["recv_starts"], None, recv_x, buf.num_sms, src_idx=out["recv_src_idx"])
     if counts is not None:
         mode: dict[str, Any] = dict(
-            send_counts=tuple(send),
+            send_counts=tuple(send_counts),
             recv_counts=tuple(recv),
             num_recv_tokens=rows,
-            num_recv_tokens_per_expert=torch.tensor(per_local, dtype=torch.int32, device=dev),
+            num_recv_tokens_per_expert=to_device(per_local, torch.int32, dev),
             num_recv_tokens_per_expert_list=per_local,
         )
     else:

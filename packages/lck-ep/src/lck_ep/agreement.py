@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from lck_ep.host_copy import to_device
+
 __all__ = [
     "BUFFER_FIELDS",
     "DEVICE_AGREEMENT",
@@ -167,12 +169,8 @@ def start_agreement(
     n = len(fields)
     head = [1 if local_error is not None else 0]
     head += [0] * n if local_error is not None or digest is None else [int(v) for v in digest]
-    if device.type == "cuda":
-        # From pinned memory without waiting: torch.tensor(..., device=cuda) would copy from pageable memory
-        # and synchronise the stream, so that a synced call first waited for every earlier launch.
-        vec = torch.tensor(head, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    else:
-        vec = torch.tensor(head, dtype=torch.int64, device=device)
+    # Without waiting for the stream: a synced call must not first wait for every earlier launch.
+    vec = to_device(head, torch.int64, device)
     if extra_len:
         tail = (
             extra.to(device=device, dtype=torch.int64).reshape(-1)

@@ -456,14 +456,10 @@ class Buffer:
             except Exception as exc:  # e.g. the layout kernel failed to build on this rank: tell every rank
                 error, plan = exc, None
             else:
-                bad = ((plan.topk_idx < -1) | (plan.topk_idx >= e)).any().to(torch.int64).reshape(1)
-                extra = torch.cat(
-                    [
-                        bad,
-                        layout.num_tokens_per_rank.to(torch.int64),
-                        layout.num_tokens_per_expert.to(torch.int64),
-                    ]
-                )
+                # An entry outside [-1, e) is one whose (entry + 1) // (e + 1) is not 0: three launches, not
+                # five; the agreement widens the int32 vector to int64.
+                bad = torch.floor_divide(plan.topk_idx + 1, e + 1).any().reshape(1)
+                extra = torch.cat([bad, layout.num_tokens_per_rank, layout.num_tokens_per_expert])
         digest = plan.digest() if plan is not None else None
         if plan is not None and plan.handle is not None:  # a replay needs nothing from the table
             agreement = self._agree(error, digest, None)
@@ -481,9 +477,14 @@ class Buffer:
                 f"(expected -1 or a global expert index; ranks with such entries: {ranks})"
             )
 
-        table = self._agree(error, digest, extra, out_of_range).result()
+        agreement = self._agree(error, digest, extra, out_of_range)
         assert plan is not None and layout is not None
         given, plan = plan, self._packed(plan)
+        sent = None
+        if self._native is not None:  # the sender needs no counts: it runs while the host waits for them
+            packed = plan
+            sent = self._then(agreement, lambda: _native_exchange.send(self, packed, layout))
+        table = agreement.result()
         # Each rank's tokens per rank as Python ints at once (an op per element costs the host more).
         heads = table[:, : 1 + w].tolist()
         send_counts = heads[r][1:]
@@ -491,7 +492,7 @@ class Buffer:
         mine = 1 + w + r * big_l  # this rank's experts' columns
         per_local = table[:, mine : mine + big_l].sum(0).tolist()
         if self._native is not None:
-            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local))
+            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local), sent)
         else:
             got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
         return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
