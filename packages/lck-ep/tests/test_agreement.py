@@ -61,10 +61,10 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from lck_ep.agreement import DIGEST_FIELDS, agree
+    from lck_ep.agreement import DIGEST_FIELDS, RoutedCounts, agree
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
-    calls: list[tuple[int, int, int]] = []
+    calls: list[tuple[int, bool, int, int, int]] = []
     settled: list[bool] = []
 
     class Exchange:  # what NativeEp.agree_start returns, over gloo here
@@ -79,9 +79,14 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
         def settle(self, refused: bool) -> None:
             settled.append(refused)
 
-    def gather(vec: torch.Tensor, check_words: int, flag_word: int) -> Exchange:
-        calls.append((vec.numel(), check_words, flag_word))
-        return Exchange(vec)
+    def gather(
+        vec: torch.Tensor, routed: RoutedCounts | None, n: int, check_words: int, flag_word: int
+    ) -> Exchange:
+        # as ep_agree assembles it: the head, the routing's words, zeros
+        calls.append((vec.numel(), routed is not None, n, check_words, flag_word))
+        words = [vec] + ([routed.words()] if routed is not None else [])
+        whole = torch.cat(words)
+        return Exchange(torch.cat([whole, whole.new_zeros(n - whole.numel())]))
 
     digest = [1] * len(DIGEST_FIELDS)
     extra = torch.tensor([10 + rank, 20 + rank])
@@ -110,6 +115,23 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
         agree(group, cpu, None, DIGEST_FIELDS, digest, flagged, 2, gather, lambda ranks: f"flagged: {ranks}")
     except ValueError as exc:
         out["flag"] = str(exc)
+    # a fresh dispatch's routing words: a flag for an entry outside [-1, 4), then the counts, read by the exchange
+    counts = torch.tensor([3 + rank, 1], dtype=torch.int32), torch.tensor([1, 2, 0, 1], dtype=torch.int32)
+    idx = torch.tensor([[0, -1], [3, 1]])
+    routed = RoutedCounts(idx, 4, *counts)
+    table = agree(group, cpu, None, DIGEST_FIELDS, digest, routed, 7, gather, lambda ranks: "unused")
+    out["routed"] = table.tolist()
+    if rank == 1:
+        idx = torch.tensor([[0, -1], [4, 1]])
+    try:
+        flagged_routed = RoutedCounts(idx, 4, *counts)
+        agree(
+            group, cpu, None, DIGEST_FIELDS, digest, flagged_routed, 7, gather, lambda ranks: f"out: {ranks}"
+        )
+    except ValueError as exc:
+        out["routed flag"] = str(exc)
+    # over the group (no gather) the same words are made with torch ops
+    out["group"] = agree(group, cpu, None, DIGEST_FIELDS, digest, routed, 7).tolist()
     out["calls"], out["settled"] = calls, settled
     return out
 
@@ -127,6 +149,14 @@ def test_agreement_through_a_gather_function_reaches_the_same_verdicts() -> None
         assert out["local"] == "rank 1: x is float64", out["local"]
         assert out["flag"] == "flagged: [1]", out
         # the device checks the status and the 11 digest words, and with a flag the first extra word
-        assert out["calls"] == [(1 + 11 + 2, 12, -1)] * 3 + [(1 + 11 + 2, 12, 12)]
-        # the device is told the verdict, which it reached itself: agreed, then three refusals
-        assert out["settled"] == [False, True, True, True]
+        head = 1 + 11
+        assert out["calls"][:4] == [(head + 2, False, head + 2, 12, -1)] * 3 + [
+            (head + 2, False, head + 2, 12, 12)
+        ]
+        # the routing goes to the exchange beside the head, not assembled here
+        assert out["calls"][4:] == [(head, True, head + 7, 12, 12)] * 2
+        assert out["routed"] == [[0, 3, 1, 1, 2, 0, 1], [0, 4, 1, 1, 2, 0, 1]]
+        assert out["group"] == out["routed"]
+        assert out["routed flag"] == "out: [1]", out
+        # the device is told the verdict, which it reached itself: agreed, three refusals, agreed, a refusal
+        assert out["settled"] == [False, True, True, True, False, True]

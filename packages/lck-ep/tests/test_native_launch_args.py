@@ -18,6 +18,7 @@ from _launches import assert_launch, recording_launchers
 
 from lck_ep import native
 from lck_ep._hybrid_exchange import HybridEp
+from lck_ep.agreement import RoutedCounts
 from lck_ep.codegen import CSRC_DIR, NATIVE_KINDS
 from lck_ep.hybrid_codegen import HYBRID_KINDS
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows, meta_offset
@@ -387,20 +388,36 @@ def test_native_agreement_exchange_arguments_and_sequence(monkeypatch: pytest.Mo
         exchange.settle(False)
         assert table.shape == (4, 39) and table.dtype == torch.int64 and table.device.type == "cpu"
         assert_launch(launch, seq - 1, 1, [
-            vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39],
-            ep.status, U64(17), I32(0), I32(-1),
+            vec, I64(39), I64(39), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws,
+            I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39], ep.status, U64(17), I32(0),
+            I32(-1),
         ])  # fmt: skip
     # a synced call's agreement: status and digest words checked, and a flag word, on the device
     exchange = ep.agree_start(vec, 17, 12, 12)
     assert_launch(launch, 2, 1, [
-        vec, I64(39), ep.peer_ws, I64(7 << 20), I64(40), I32(4), I32(1), U64(3), ep._agree_out[: 4 * 39],
-        ep.status, U64(17), I32(12), I32(12),
+        vec, I64(39), I64(39), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws, I64(7 << 20),
+        I64(40), I32(4), I32(1), U64(3), ep._agree_out[: 4 * 39], ep.status, U64(17), I32(12), I32(12),
     ])  # fmt: skip
     with pytest.raises(RuntimeError, match="differs from the host's"):
         exchange.settle(True)  # the (recorded, not run) kernel refused nothing
+    # a fresh dispatch's: the head here, the routing words read by the kernel after it (flag, W + E counts)
+    head, idx = torch.arange(12, dtype=torch.int64), torch.zeros(6, 2, dtype=torch.int64)
+    per_rank, per_expert = torch.zeros(4, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
+    ep.agree_start(head, 17, 12, 12, RoutedCounts(idx, 16, per_rank, per_expert), 12 + 21)
+    assert_launch(launch, 3, 1, [
+        head, I64(12), I64(33), idx, I64(12), I64(16), per_rank, I64(4), per_expert, I64(16), ep.peer_ws,
+        I64(7 << 20), I64(40), I32(4), I32(1), U64(4), ep._agree_out[: 4 * 33], ep.status, U64(17), I32(12),
+        I32(12),
+    ])  # fmt: skip
+    with pytest.raises(
+        ValueError, match="routing's 21 words do not fit the 20 words after the vector's head"
+    ):
+        ep.agree_start(head, 17, 12, 12, RoutedCounts(idx, 16, per_rank, per_expert), 12 + 20)
     with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
         ep.agree_start(torch.arange(40, dtype=torch.int64), 17, 0, -1)
-    assert len(launch.calls) == 3 and ep._agreements == 3
+    with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
+        ep.agree_start(head, 17, 0, -1, None, 40)
+    assert len(launch.calls) == 4 and ep._agreements == 4
 
 
 def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -431,8 +448,8 @@ def test_a_buffer_gathers_through_its_native_state_with_its_bound() -> None:
     state = SimpleNamespace(agree_start=lambda *args: calls.append(args) or "exchange")
     gather = Buffer._device_gather(SimpleNamespace(_native=state, timeout_ns=5_000))
     vec = torch.arange(3)
-    assert gather(vec, 12, -1) == "exchange"
-    assert calls == [(vec, 5_000, 12, -1)]
+    assert gather(vec, None, 9, 12, -1) == "exchange"
+    assert calls == [(vec, 5_000, 12, -1, None, 9)]
 
 
 def test_a_deferred_verdict_is_read_after_the_launches_and_wins_over_their_errors() -> None:
@@ -488,7 +505,7 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: p
     def agree(self: Any, error: Any, digest: Any, extra: torch.Tensor, flag: Any) -> Any:
         order.append("agree")
         assert error is None and digest == plan.digest()
-        assert extra.tolist() == [0, 2, 2, 1, 2, 1, 1]  # no entry outside [-1, 4); this rank's layout
+        assert extra.words().tolist() == [0, 2, 2, 1, 2, 1, 1]  # no entry outside [-1, 4); this rank's layout
         return Agreement(lambda: order.append("table") or table, deferred=True)
 
     def send(b: Any, p: Any, layout: Any) -> str:
@@ -512,7 +529,7 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: p
         idx[2, 0] = bad
 
         def flagged(self: Any, error: Any, digest: Any, extra: torch.Tensor, flag: Any) -> Any:
-            assert extra[0].item() == 1
+            assert extra.words()[0].item() == 1
             raise ValueError("refused")
 
         monkeypatch.setattr(Buffer, "_agree", flagged)

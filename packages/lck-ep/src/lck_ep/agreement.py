@@ -20,7 +20,7 @@ another calls ``dispatch`` is reported as a disagreement on ``op``, not a mismat
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "OPS",
     "Agreement",
     "Exchange",
+    "RoutedCounts",
     "agree",
     "dtype_code",
     "start_agreement",
@@ -91,6 +92,23 @@ def _show(field: str, value: int) -> str:
     return str(value)
 
 
+class RoutedCounts(NamedTuple):
+    """A fresh dispatch's extra words, left to whoever builds the vector: a flag word, 1 when an entry of
+    ``topk_idx`` lies outside ``[-1, num_experts)``, then the layout's int32 tokens per rank and per expert
+    widened to int64. The device exchange reads them in its own kernel (no launch of their own); over the group
+    :meth:`words` computes them with torch ops."""
+
+    topk_idx: torch.Tensor  # [T, K] int64, contiguous
+    num_experts: int
+    per_rank: torch.Tensor  # [W] int32, contiguous
+    per_expert: torch.Tensor  # [E] int32, contiguous
+
+    def words(self) -> torch.Tensor:
+        # An entry outside [-1, e) is one whose (entry + 1) // (e + 1) is not 0: three launches, not five.
+        bad = torch.floor_divide(self.topk_idx + 1, self.num_experts + 1).any().reshape(1)
+        return torch.cat([bad, self.per_rank, self.per_expert]).to(torch.int64)
+
+
 class Exchange(Protocol):
     """A device all-gather already enqueued (:meth:`lck_ep.native.NativeEp.agree_start`)."""
 
@@ -103,8 +121,9 @@ class Exchange(Protocol):
         ...
 
 
-# (vector, words checked on the device: status and digest, the extra flag word or -1) -> the exchange
-Gather = Callable[[torch.Tensor, int, int], Exchange]
+# (the vector's head: status and digest words, the routing words that follow it or None, the vector's length,
+# words checked on the device: status and digest, the extra flag word or -1) -> the exchange
+Gather = Callable[[torch.Tensor, "RoutedCounts | None", int, int, int], Exchange]
 
 
 class Agreement:
@@ -131,7 +150,7 @@ def agree(
     local_error: BaseException | None,
     fields: Sequence[str],
     digest: Sequence[int] | None,
-    extra: torch.Tensor | None,
+    extra: torch.Tensor | RoutedCounts | None,
     extra_len: int,
     gather: Gather | None = None,
     flag: Callable[[list[int]], str] | None = None,
@@ -140,7 +159,8 @@ def agree(
 
     ``digest`` has one int per entry of ``fields`` (ignored when ``local_error`` is set; ``fields``
     must be the same sequence on every rank);
-    ``extra`` is an int64 device tensor of ``extra_len`` elements or None (zeros are sent). Returns the
+    ``extra`` is an int64 device tensor of ``extra_len`` elements, a :class:`RoutedCounts` (its flag and
+    counts, ``extra_len`` words), or None (zeros are sent). Returns the
     gathered ``extra`` part, ``[world, extra_len]`` int64 on the CPU. Collective over ``group``; it
     synchronises the host with the device once (the ``.cpu()`` of the gathered matrix). ``gather``, when
     given, all-gathers the vector (built on ``device``) in place of the group's all-gather (a native state's
@@ -159,7 +179,7 @@ def start_agreement(
     local_error: BaseException | None,
     fields: Sequence[str],
     digest: Sequence[int] | None,
-    extra: torch.Tensor | None,
+    extra: torch.Tensor | RoutedCounts | None,
     extra_len: int,
     gather: Gather | None = None,
     flag: Callable[[list[int]], str] | None = None,
@@ -171,10 +191,15 @@ def start_agreement(
     head += [0] * n if local_error is not None or digest is None else [int(v) for v in digest]
     # Without waiting for the stream: a synced call must not first wait for every earlier launch.
     vec = to_device(head, torch.int64, device)
-    if extra_len:
+    if local_error is not None:
+        extra = None
+    routed = extra if isinstance(extra, RoutedCounts) and gather is not None else None
+    if extra_len and routed is None:  # the whole vector here; else the exchange reads the routing itself
+        if isinstance(extra, RoutedCounts):
+            extra = extra.words()
         tail = (
             extra.to(device=device, dtype=torch.int64).reshape(-1)
-            if extra is not None and local_error is None
+            if extra is not None
             else torch.zeros(extra_len, dtype=torch.int64, device=device)
         )
         vec = torch.cat([vec, tail])
@@ -188,7 +213,9 @@ def start_agreement(
             raise refused.error from None
         return Agreement(lambda: table, deferred=False)
     # The device checks the status and digest words, and the flag word, exactly as _verdict does.
-    exchange = gather(vec, 1 + n, 1 + n if flag is not None and extra_len else -1)
+    exchange = gather(
+        vec, routed, len(head) + extra_len, 1 + n, 1 + n if flag is not None and extra_len else -1
+    )
 
     def result() -> torch.Tensor:
         # exchange.table() raises NativeTimeoutError itself when a member did not arrive.

@@ -54,7 +54,7 @@ from lck_ep._construction import check_args, check_group, resolve_device
 
 # Re-exported: lck_ep.benchmark imports it from this module.
 from lck_ep._construction import kernel_layout_available as kernel_layout_available
-from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, Agreement, agree, start_agreement
+from lck_ep.agreement import BUFFER_FIELDS, DIGEST_FIELDS, Agreement, RoutedCounts, agree, start_agreement
 from lck_ep.checks import (
     X_DTYPES,
     CombinePlan,
@@ -369,13 +369,15 @@ class Buffer:
         with this Buffer's bound."""
         st, timeout_ns = self._native, self.timeout_ns
         assert st is not None
-        return lambda vec, check_words, flag_word: st.agree_start(vec, timeout_ns, check_words, flag_word)
+        return lambda vec, routed, n, check_words, flag_word: st.agree_start(
+            vec, timeout_ns, check_words, flag_word, routed, n
+        )
 
     def _agree(
         self,
         error: BaseException | None,
         digest: list[int] | None,
-        extra: torch.Tensor | None,
+        extra: RoutedCounts | None,
         flag: Any = None,
     ) -> Agreement:
         """A synced call's agreement (:func:`lck_ep.agreement.start_agreement`): over the group, complete on
@@ -448,7 +450,7 @@ class Buffer:
     def _dispatch_synced(self, plan: DispatchPlan | None, error: BaseException | None) -> DispatchOutput:
         w, e, big_l, r = self.num_ranks, self.num_experts, self.num_local_experts, self.rank
         layout = None
-        extra = None
+        extra: RoutedCounts | None = None
         if plan is not None and plan.handle is None:
             assert plan.topk_idx is not None
             try:
@@ -456,10 +458,10 @@ class Buffer:
             except Exception as exc:  # e.g. the layout kernel failed to build on this rank: tell every rank
                 error, plan = exc, None
             else:
-                # An entry outside [-1, e) is one whose (entry + 1) // (e + 1) is not 0: three launches, not
-                # five; the agreement widens the int32 vector to int64.
-                bad = torch.floor_divide(plan.topk_idx + 1, e + 1).any().reshape(1)
-                extra = torch.cat([bad, layout.num_tokens_per_rank, layout.num_tokens_per_expert])
+                # The flag and counts words: read by the device exchange's own kernel, else made by torch ops.
+                extra = RoutedCounts(
+                    plan.topk_idx, e, layout.num_tokens_per_rank, layout.num_tokens_per_expert
+                )
         digest = plan.digest() if plan is not None else None
         if plan is not None and plan.handle is not None:  # a replay needs nothing from the table
             agreement = self._agree(error, digest, None)

@@ -224,11 +224,14 @@ _NATIVE_BODIES = {
     ),
     "ep_agree": (
         "agree.cuh",
-        """const long long* vec, long long n, const long long* peer_ws, long long mailbox_offset, long long slot_words,
-    int num_ranks, int me, unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns,
-    int check_words, int flag_word""",
-        """lck_ep::AgreeArgs a{vec, n, peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns,
-                     check_words, flag_word};
+        """const long long* vec, long long head_n, long long n, const long long* idx, long long idx_n,
+    long long idx_hi, const int* per_rank, long long rank_words, const int* per_expert, long long expert_words,
+    const long long* peer_ws, long long mailbox_offset, long long slot_words, int num_ranks, int me,
+    unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns, int check_words,
+    int flag_word""",
+        """lck_ep::AgreeArgs a{vec, head_n, n, idx, idx_n, idx_hi, per_rank, rank_words, per_expert, expert_words,
+                     peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns, check_words,
+                     flag_word};
     lck_ep::agree_exchange(a);""",
     ),
     "ep_reduce_expanded": (

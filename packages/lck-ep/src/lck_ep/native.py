@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lck_ep.agreement import DEVICE_AGREEMENT
+from lck_ep.agreement import DEVICE_AGREEMENT, RoutedCounts
 from lck_ep.codegen import NATIVE_KERNELS, NATIVE_KINDS, NATIVE_THREADS, native_spec
 from lck_ep.knobs import EpKnobs, read_knobs
 from lck_runtime.jit import Jit
@@ -670,19 +670,41 @@ class NativeEp:
 
     # -- argument agreement ----------------------------------------------------------------------------
     def agree_start(
-        self, vec: torch.Tensor, timeout_ns: int, check_words: int, flag_word: int
+        self,
+        vec: torch.Tensor,
+        timeout_ns: int,
+        check_words: int,
+        flag_word: int,
+        routed: RoutedCounts | None = None,
+        n: int | None = None,
     ) -> DeviceExchange:
-        """Enqueue the all-gather of every member's ``vec`` (int64, contiguous, on this state's device, the
-        same length everywhere) through the workspaces' mailboxes (ep_agree) and the copy of the ``[W, n]``
-        result to the host, without waiting. The kernel also reaches the host's verdict: when a member's
+        """Enqueue the all-gather of every member's vector (int64, the same length ``n`` everywhere, default
+        ``vec``'s) through the workspaces' mailboxes (ep_agree) and the copy of the ``[W, n]`` result to the
+        host, without waiting. The vector is ``vec`` (contiguous, on this state's device), then ``routed``'s
+        words (:class:`lck_ep.agreement.RoutedCounts`, read by the kernel from the routing and the layout),
+        then zeros. The kernel also reaches the host's verdict: when a member's
         status word (``vec[0]``) is set, the next ``check_words - 1`` words differ between members, or word
         ``flag_word`` (>= 0) is set on any member, it records status code 5 on this member, so that every
         dispatch or combine launched after it returns at once, on every member alike, until
         :meth:`DeviceExchange.settle`. Collective over the context's members, in the same sequence of
         agreements everywhere; a member that does not arrive within ``timeout_ns`` makes
         :meth:`DeviceExchange.table` raise :class:`NativeTimeoutError`."""
-        n = vec.numel()
-        if n > self._slot_words - 1:
+        head_n = vec.numel()
+        n = head_n if n is None else n
+        idx, per_rank, per_expert, hi = None, None, None, 0
+        if routed is not None:
+            idx, per_rank, per_expert, hi = (
+                routed.topk_idx,
+                routed.per_rank,
+                routed.per_expert,
+                routed.num_experts,
+            )
+            if 1 + per_rank.numel() + per_expert.numel() > n - head_n:
+                raise ValueError(
+                    f"agree_start: the routing's {1 + per_rank.numel() + per_expert.numel()} words do not fit the "
+                    f"{n - head_n} words after the vector's head"
+                )
+        if n < head_n or n > self._slot_words - 1:
             raise ValueError(
                 f"agree_start: a vector of {n} words does not fit the agreement mailbox's slots "
                 f"({self._slot_words - 1} words)"
@@ -699,7 +721,15 @@ class NativeEp:
             1,
             [
                 vec.data_ptr(),
+                head_n,
                 n,
+                _addr(idx),
+                0 if idx is None else idx.numel(),
+                hi,
+                _addr(per_rank),
+                0 if per_rank is None else per_rank.numel(),
+                _addr(per_expert),
+                0 if per_expert is None else per_expert.numel(),
                 self._peer_ws,
                 self._mailbox,
                 self._slot_words,

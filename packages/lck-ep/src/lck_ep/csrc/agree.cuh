@@ -11,6 +11,9 @@
 // copies the set out for the host. A member cannot start agreement q + 2, which reuses the set, before
 // every member has written agreement q + 1, which each does only after reading agreement q.
 //
+// The vector's words come from a host-built head (status and digest) and, for a fresh dispatch, from the
+// routing itself (a flag for out-of-range expert indices, the layout's counts): see AgreeArgs.
+//
 // One block (one waiting thread per member). A member that does not arrive within timeout_ns leaves the
 // context's diagnostic (code 1, or 2 for a member at another agreement: it made different calls), as the
 // dispatch and combine waits do.
@@ -30,8 +33,18 @@ namespace lck_ep {
 constexpr long long kPhaseAgree = 9;  // a synced call, waiting for a member's arguments
 
 struct AgreeArgs {
-  const long long* vec;      // [n] this member's vector
-  long long n;               // its length: at most slot_words - 1
+  const long long* vec;      // [head_n] the start of this member's vector (status and digest words)
+  long long head_n;
+  long long n;               // the vector's length: at most slot_words - 1
+  // A fresh dispatch's routing words, read here rather than assembled by launches of their own (none when
+  // idx is null: words [head_n, n) are then 0): word head_n is 1 when an entry of idx lies outside
+  // [-1, idx_hi), then the layout's int32 counts per rank and per expert, widened; 0 after them.
+  const long long* idx;
+  long long idx_n, idx_hi;
+  const int* per_rank;
+  long long rank_words;
+  const int* per_expert;
+  long long expert_words;
   const long long* peer_ws;  // [W] every member's workspace as mapped here
   long long mailbox_offset;  // bytes from a workspace's start to its mailbox
   long long slot_words;      // int64 words per slot: the sequence word, then the vector
@@ -52,14 +65,34 @@ __device__ __forceinline__ long long* agree_slot(const AgreeArgs& a, int member,
   return box + (set * a.num_ranks + member) * a.slot_words;
 }
 
+// Word j of this member's vector (flag: the block's verdict on idx).
+__device__ __forceinline__ long long agree_word(const AgreeArgs& a, long long j, long long flag) {
+  if (j < a.head_n) return a.vec[j];
+  if (a.idx == nullptr) return 0;
+  j -= a.head_n;
+  if (j == 0) return flag;
+  j -= 1;
+  if (j < a.rank_words) return a.per_rank[j];
+  j -= a.rank_words;
+  return j < a.expert_words ? a.per_expert[j] : 0;
+}
+
 __device__ inline void agree_exchange(const AgreeArgs& a) {
-  if (failed(a.status)) return;
+  if (failed(a.status)) return;  // the same word for every thread: no thread leaves the block's barriers
+  int outside = 0;
+  if (a.idx != nullptr) {
+    for (long long i = threadIdx.x; i < a.idx_n; i += blockDim.x) {
+      const long long v = a.idx[i];
+      outside |= v < -1 || v >= a.idx_hi;
+    }
+  }
+  const long long flag = __syncthreads_or(outside) ? 1 : 0;
   // this member's vector into its slot at every member (itself included), then the sequence words
   const long long total = a.n * a.num_ranks;
   for (long long i = threadIdx.x; i < total; i += blockDim.x) {
     const int owner = static_cast<int>(i / a.n);
     const long long j = i - owner * a.n;
-    agree_slot(a, a.me, owner)[1 + j] = a.vec[j];
+    agree_slot(a, a.me, owner)[1 + j] = agree_word(a, j, flag);
   }
   __threadfence_system();
   __syncthreads();
