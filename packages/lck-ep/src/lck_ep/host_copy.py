@@ -17,4 +17,4 @@ def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> to
     """``values`` as a ``dtype`` tensor on ``device``, enqueued without waiting on a CUDA device."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
