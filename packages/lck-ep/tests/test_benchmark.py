@@ -35,3 +35,23 @@ def test_cpu_smoke_run_writes_json_and_csv(tmp_path: Path, capsys) -> None:
     rows = list(csv.reader((tmp_path / json_path.name.replace(".json", ".csv")).open()))
     assert rows[0][:5] == ["bench", "provider", "mode", "shape", "dtype"] and len(rows) == len(recs) + 1
     assert "wrote" in capsys.readouterr().out
+
+
+def test_the_native_bench_toggles_restore_the_attribute_they_set() -> None:
+    """``benchmark_native._with`` (behind ``pushed``, ``group_agreement`` and ``blocking_wait``): the value
+    holds only while the timed call runs; an attribute of the object's own comes back, one its class held
+    shows through again."""
+    from lck_ep.benchmark_native import _with
+
+    class State:
+        pulls_rows = True
+
+        def __init__(self) -> None:
+            self._agree_done = "spinning"
+
+    st, seen = State(), []
+    run = _with(st, "_agree_done", "blocking", lambda: seen.append(st._agree_done) or 3)
+    assert run() == 3 and seen == ["blocking"] and st._agree_done == "spinning"
+    run = _with(st, "pulls_rows", False, lambda: seen.append(st.pulls_rows))
+    run()
+    assert seen[-1] is False and st.pulls_rows is True and "pulls_rows" not in vars(st)

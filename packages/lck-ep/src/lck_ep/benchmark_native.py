@@ -109,6 +109,16 @@ def group_agreement(buf: Any, fn: Any) -> Any:
     return _with(buf, "_gather", None, fn)
 
 
+def blocking_wait(buf: Any, fn: Any) -> Any:
+    """``fn`` run with ``buf``'s synced calls waiting for their agreement's table on a blocking-sync event
+    (the host thread sleeps) instead of the default spinning one: under MPS, eight spinning hosts share the
+    machine's cores with the processes still enqueueing."""
+    import torch
+
+    event = torch.cuda.Event(blocking=True)
+    return _with(buf._native, "_agree_done", event, fn)
+
+
 def _bench_shape(
     shape: tuple[str, int, int, int, int], rank: int, world: int, dev: Any, attempt: Any, with_reference: bool
 ) -> None:
@@ -152,6 +162,13 @@ def _bench_shape(
     attempt("dispatch_cached", "lck_nvshmem_group_agreement", label, cached, sent)
     combine = group_agreement(synced, lambda: synced.combine(d.recv_x, d.handle))
     attempt("combine", "lck_nvshmem_group_agreement", label, combine, sent)
+    # The same synced calls with the host asleep while it waits for the agreement's table.
+    for bench, fn in (
+        ("dispatch", lambda: synced.dispatch(x, idx, w)),
+        ("dispatch_cached", lambda: synced.dispatch(x, handle=d.handle)),
+        ("combine", lambda: synced.combine(d.recv_x, d.handle)),
+    ):
+        attempt(bench, "lck_nvshmem_blocking_wait", label, blocking_wait(synced, fn), sent)
     attempt("combine", "lck_nvshmem_sync_free", label, lambda: free.combine(df.recv_x, df.handle), sent)
     # The expert outputs written straight into the workspace (Buffer.combine_input, filled once here: the
     # expert kernel's own stores are not the combine's), read there by their sources.
