@@ -17,6 +17,7 @@ from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
 from lck_ep.expanded import ExpandedMaps, build_expanded, expanded_capacity, gather_expanded, reduce_expanded
 from lck_ep.handle import DispatchHandle
+from lck_ep.host_copy import to_device
 from lck_ep.layout import DispatchLayout
 
 __all__ = [
@@ -67,7 +68,7 @@ def dispatch_synced(
         num_recv_tokens=n,
         num_recv_rows=n,
         recv_slot_pos=None,
-        num_recv_tokens_per_expert=torch.tensor(per_local, dtype=torch.int32, device=buf.device),
+        num_recv_tokens_per_expert=to_device(per_local, torch.int32, buf.device),
         num_recv_tokens_per_expert_list=per_local,
     )
     handle = fresh_handle(

@@ -12,7 +12,7 @@ there by their sources, not copied (zero-copy).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -25,7 +25,7 @@ from lck_ep.host_copy import to_device
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows
 
-__all__ = ["Sent", "combine", "dispatch", "replay", "send"]
+__all__ = ["combine", "dispatch", "replay", "send"]
 
 
 def _receive(buf: BufferView, rows: int, meta: bool, weights: bool) -> dict[str, Any]:
@@ -48,15 +48,9 @@ def _row_bytes(x: torch.Tensor) -> int:
     return x.shape[1] * x.element_size()
 
 
-class Sent(NamedTuple):
-    """What :func:`send` launched: the rows' send slots."""
-
-    slots: torch.Tensor
-
-
-def send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Sent:
-    """The sending half of a fresh dispatch: the send slots and the sender, which need no counts, so that a
-    synced dispatch enqueues them before the host reads its agreement's table."""
+def send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> torch.Tensor:
+    """The sending half of a fresh dispatch: the send slots (returned) and the sender, which need no counts, so
+    that a synced dispatch enqueues them before the host reads its agreement's table."""
     st: NativeEp = buf._native
     st.raise_if_failed()
     st.armed = None  # the staged rows overwrite a zero-copy input handed out before
@@ -65,7 +59,7 @@ def send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Sent:
         slots = st.send_slots(mask)
         sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
         st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
-    return Sent(slots)
+    return slots
 
 
 def dispatch(
@@ -73,16 +67,15 @@ def dispatch(
     plan: DispatchPlan,
     layout: DispatchLayout,
     counts: tuple[list[int], list[int], list[int]] | None,
-    sent: Sent | None = None,
+    slots: torch.Tensor | None = None,
 ) -> Dispatched:
     """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
-    ``sent``: :func:`send` already launched it (else it is launched here)."""
+    ``slots``: :func:`send` already launched the sending half and returned these (else it is launched here)."""
     assert plan.topk_idx is not None
-    if sent is None:
-        sent = send(buf, plan, layout)
+    if slots is None:
+        slots = send(buf, plan, layout)
     st: NativeEp = buf._native
     big_l, dev = buf.num_local_experts, buf.device
-    slots = sent.slots
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
     a = plan.expert_alignment
     if counts is not None:

@@ -482,10 +482,10 @@ class Buffer:
         agreement = self._agree(error, digest, extra, out_of_range)
         assert plan is not None and layout is not None
         given, plan = plan, self._packed(plan)
-        sent = None
+        slots = None
         if self._native is not None:  # the sender needs no counts: it runs while the host waits for them
             packed = plan
-            sent = self._then(agreement, lambda: _native_exchange.send(self, packed, layout))
+            slots = self._then(agreement, lambda: _native_exchange.send(self, packed, layout))
         table = agreement.result()
         # Each rank's tokens per rank as Python ints at once (an op per element costs the host more).
         heads = table[:, : 1 + w].tolist()
@@ -494,7 +494,7 @@ class Buffer:
         mine = 1 + w + r * big_l  # this rank's experts' columns
         per_local = table[:, mine : mine + big_l].sum(0).tolist()
         if self._native is not None:
-            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local), sent)
+            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local), slots)
         else:
             got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
         return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
