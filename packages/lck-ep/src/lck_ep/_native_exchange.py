@@ -51,14 +51,19 @@ def _row_bytes(x: torch.Tensor) -> int:
 def send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> torch.Tensor:
     """The sending half of a fresh dispatch: the send slots (returned) and the sender, which need no counts, so
     that a synced dispatch enqueues them before the host reads its agreement's table."""
+    with torch.cuda.device(buf.device):
+        return _send(buf, plan, layout)
+
+
+def _send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> torch.Tensor:
+    """:func:`send` on the Buffer's device, which the caller made current."""
     st: NativeEp = buf._native
     st.raise_if_failed()
     st.armed = None  # the staged rows overwrite a zero-copy input handed out before
     mask = layout.is_token_in_rank
-    with torch.cuda.device(buf.device):
-        slots = st.send_slots(mask)
-        sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
-        st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
+    slots = st.send_slots(mask)
+    sent = OutgoingRows(plan.x, mask, slots, layout.num_tokens_per_rank, plan.topk_idx, plan.topk_weights)
+    st.send_rows(sent, buf.num_local_experts, buf.num_sms, buf.timeout_ns)
     return slots
 
 
@@ -72,8 +77,6 @@ def dispatch(
     """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
     ``slots``: :func:`send` already launched the sending half and returned these (else it is launched here)."""
     assert plan.topk_idx is not None
-    if slots is None:
-        slots = send(buf, plan, layout)
     st: NativeEp = buf._native
     big_l, dev = buf.num_local_experts, buf.device
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
@@ -83,7 +86,9 @@ def dispatch(
         m = sum((c + a - 1) // a * a for c in per_local)
     else:
         m = expanded_capacity(rows, plan.num_topk, big_l, a)
-    with torch.cuda.device(dev):
+    with torch.cuda.device(dev):  # entered once: a sync-free dispatch sends here too
+        if slots is None:
+            slots = _send(buf, plan, layout)
         out = _receive(buf, rows, True, plan.topk_weights is not None)
         # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps); the
         # receiver's first launch zeroes them.

@@ -194,7 +194,9 @@ def start_agreement(
     if local_error is not None:
         extra = None
     routed = extra if isinstance(extra, RoutedCounts) and gather is not None else None
-    if extra_len and routed is None:  # the whole vector here; else the exchange reads the routing itself
+    # The whole vector here, unless the exchange reads the routing itself or, with no extra part, writes the
+    # zeros itself (a synced combine or replay: two launches and an allocation fewer on its host path).
+    if extra_len and routed is None and (gather is None or extra is not None):
         if isinstance(extra, RoutedCounts):
             extra = extra.words()
         tail = (
