@@ -483,10 +483,14 @@ def test_a_deferred_verdict_is_read_after_the_launches_and_wins_over_their_error
         Buffer._then(verdict(False), broken)
 
 
-def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(
+    monkeypatch: pytest.MonkeyPatch, early: bool
+) -> None:
     """A fresh synced dispatch on the native backend enqueues the sender (which needs no counts) after its
-    agreement and before the host reads the agreement's table; the receiving half then gets what was sent,
-    the counts the table gave, and the flag word and counts in the agreed vector."""
+    agreement and before the host reads the agreement's table, and a small one (``receives_early``) its
+    receiving half too; the rest then gets what was launched, the counts the table gave, and the flag word
+    and counts in the agreed vector."""
     from lck_ep import Buffer, _native_exchange
     from lck_ep.agreement import Agreement
     from lck_ep.checks import DispatchPlan
@@ -496,6 +500,8 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: p
     buf = object.__new__(Buffer)
     buf.num_ranks, buf.num_experts, buf.num_local_experts, buf.rank = 2, 4, 2, 1
     buf._native, buf.device = SimpleNamespace(), torch.device("cpu")
+    # outputs at capacity: 2 ranks x max_tokens_per_rank rows of 32 + 2 x 12 + 16 bytes
+    buf.max_tokens_per_rank = 4 if early else _native_exchange.EARLY_RECEIVE_BYTES // 144 + 1
     topk_idx = torch.tensor([[0, 3], [2, -1], [1, 1]])
     plan = DispatchPlan(torch.randn(3, 8), topk_idx, None, None, 3, 2, False, 1, 0)
     monkeypatch.setattr(Buffer, "_layout", lambda self, idx: layout_reference(idx, 4, 2))
@@ -512,16 +518,22 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: p
         order.append("send")
         return "sent"
 
-    def dispatch(b: Any, p: Any, layout: Any, counts: Any, sent: Any) -> tuple[Any, ...]:
+    def receive_early(b: Any, p: Any, layout: Any) -> str:
+        order.append("receive_early")
+        return "received"
+
+    def dispatch(b: Any, p: Any, layout: Any, counts: Any, sent: Any, received: Any) -> tuple[Any, ...]:
         order.append("dispatch")
-        assert counts == ([2, 2], [3, 2], [3, 3]) and sent == "sent"  # per local expert: columns 2 and 3
+        assert counts == ([2, 2], [3, 2], [3, 3])  # per local expert: columns 2 and 3
+        assert (sent, received) == ((None, "received") if early else ("sent", None))
         return torch.zeros(5, 8), None, None, None
 
     monkeypatch.setattr(Buffer, "_agree", agree)
     monkeypatch.setattr(_native_exchange, "send", send)
+    monkeypatch.setattr(_native_exchange, "receive_early", receive_early)
     monkeypatch.setattr(_native_exchange, "dispatch", dispatch)
     Buffer._dispatch_synced(buf, plan, None)
-    assert order == ["agree", "send", "table", "dispatch"]
+    assert order == ["agree", "receive_early" if early else "send", "table", "dispatch"]
     # an entry outside [-1, E) sets the flag word, on either side of the range
     for bad in (4, -2, 1 << 62):
         order.clear()
@@ -536,3 +548,59 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(monkeypatch: p
         with pytest.raises(ValueError, match="refused"):
             Buffer._dispatch_synced(buf, DispatchPlan(plan.x, idx, None, None, 3, 2, False, 1, 0), None)
         assert order == []
+
+
+def test_a_synced_dispatch_receives_early_only_when_small_and_compact() -> None:
+    """``receives_early``: compact dispatches whose outputs at capacity (``W * max_tokens_per_rank`` rows of
+    recv_x and routing) fit ``EARLY_RECEIVE_BYTES``; never an expanded one."""
+    from lck_ep import _native_exchange as nx
+    from lck_ep.checks import DispatchPlan
+
+    x = torch.empty(2, 7168, dtype=torch.bfloat16)
+    plan = DispatchPlan(x, torch.zeros(2, 8, dtype=torch.int64), None, None, 2, 8, False, 1, 0)
+    row = 7168 * 2 + 8 * 12 + 16
+    fits = nx.EARLY_RECEIVE_BYTES // (8 * row)  # tokens per rank at 8 ranks
+    assert nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=fits), plan)
+    assert not nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=fits + 1), plan)
+    assert fits >= 128  # DeepSeek-V3's rows at 128 tokens per rank over 8 ranks take this path
+    expanded = DispatchPlan(x, plan.topk_idx, None, None, 2, 8, True, 1, 0)
+    assert not nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=1), expanded)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_an_early_synced_dispatch_narrows_its_outputs_to_the_counts(weights: bool) -> None:
+    """What ``receive_early`` launched at capacity (here: made up, 2 ranks x 4 rows) comes back from
+    ``dispatch`` narrowed to the agreed received count, with a synced handle: the counts as Python ints, the
+    per-expert counts from the table, the receiver's starts and slots as launched."""
+    from lck_ep import _native_exchange as nx
+    from lck_ep.checks import DispatchPlan
+    from lck_ep.layout import layout_reference
+
+    cap, k, hidden = 8, 2, 16
+    idx = torch.tensor([[0, 3], [2, -1], [1, 1]])
+    w = torch.rand(3, k) if weights else None
+    plan = DispatchPlan(torch.randn(3, hidden), idx, w, None, 3, k, False, 1, 0)
+    layout = layout_reference(idx, 4, 2)
+    out: dict[str, Any] = {
+        "recv_counts": torch.tensor([3, 2]), "recv_starts": torch.tensor([0, 3, 5]), "num_recv": torch.tensor([5]),
+        "recv_src_idx": torch.arange(cap), "recv_topk_idx": torch.arange(cap * k).view(cap, k),
+        "recv_topk_weights": torch.rand(cap, k) if weights else None, "recv_src_rank": torch.arange(cap) % 2,
+        "slot_pos": torch.arange(2 * 4), "per_expert": None, "kept_per_expert": None,
+    }  # fmt: skip
+    recv_x, slots = torch.randn(cap, hidden), torch.zeros(3, 2, dtype=torch.int64)
+    seq = iter(range(7, 9))
+    buf = SimpleNamespace(device=torch.device("cpu"), uid=3, hidden=hidden, _next_seq=lambda: next(seq))
+    received = nx.Received(dict(out), recv_x, {}, slots, cap)
+    got_x, got_idx, got_w, h = nx.dispatch(buf, plan, layout, ([2, 2], [3, 2], [3, 3]), None, received)
+    assert torch.equal(got_x, recv_x[:5]) and got_x.data_ptr() == recv_x.data_ptr()  # a view, no copy
+    assert torch.equal(got_idx, out["recv_topk_idx"][:5])
+    assert (got_w is None) if not weights else torch.equal(got_w, out["recv_topk_weights"][:5])
+    assert torch.equal(h.recv_src_idx, out["recv_src_idx"][:5]) and torch.equal(
+        h.recv_src_rank, out["recv_src_rank"][:5]
+    )
+    assert not h.sync_free and h.num_worst_tokens is None and h.num_recv_rows == 5 and h.num_recv_tokens == 5
+    assert h.send_counts == (2, 2) and h.recv_counts == (3, 2) and h.num_recv_tokens_per_expert_list == [3, 3]
+    assert (
+        h.num_recv_tokens_per_expert.tolist() == [3, 3] and h.num_recv_tokens_per_expert.dtype == torch.int32
+    )
+    assert h.send_slot is slots and h.recv_starts is out["recv_starts"] and h.seq == 7

@@ -12,7 +12,7 @@ there by their sources, not copied (zero-copy).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,7 +25,17 @@ from lck_ep.host_copy import to_device
 from lck_ep.layout import DispatchLayout
 from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows
 
-__all__ = ["combine", "dispatch", "replay", "send"]
+__all__ = [
+    "EARLY_RECEIVE_BYTES",
+    "Received",
+    "combine",
+    "dispatch",
+    "receive",
+    "receive_early",
+    "receives_early",
+    "replay",
+    "send",
+]
 
 
 def _receive(buf: BufferView, rows: int, meta: bool, weights: bool) -> dict[str, Any]:
@@ -67,35 +77,65 @@ def _send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> torch.
     return slots
 
 
-def dispatch(
+# A synced compact dispatch whose outputs at the Buffer's capacity take at most this many bytes receives
+# before the host reads its counts (see receive_early): its outputs are then views of capacity-sized tensors.
+EARLY_RECEIVE_BYTES = 16 << 20
+
+
+class Received(NamedTuple):
+    """The receiving half of a fresh dispatch as launched: the receiver's outputs, ``recv_x`` and the expanded
+    layout's fields, for ``rows`` received rows at most; ``slots`` are the send slots."""
+
+    out: dict[str, Any]
+    recv_x: torch.Tensor
+    fields: dict[str, Any]
+    slots: torch.Tensor
+    rows: int
+
+
+def receives_early(buf: BufferView, plan: DispatchPlan) -> bool:
+    """Whether a synced dispatch of ``plan`` launches its receiving half before the host reads its counts:
+    compact (the expanded layout at capacity is K times larger) and small, so that its outputs sized for the
+    most rows any rank may receive (``W * max_tokens_per_rank``) stay within :data:`EARLY_RECEIVE_BYTES`.
+    Such calls are bound by latency, which the host's read between the halves would dominate. The same on
+    every rank (the Buffer's shape and the agreed arguments)."""
+    if plan.expand:
+        return False
+    # recv_x, then per row the routing (K int64 experts, K float32 weights), source index and rank, slot
+    row = _row_bytes(plan.x) + plan.num_topk * 12 + 16
+    return buf.num_ranks * buf.max_tokens_per_rank * row <= EARLY_RECEIVE_BYTES
+
+
+def receive_early(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Received:
+    """The whole of a synced dispatch (:func:`receives_early`) launched before its counts are read: the
+    kernels of a sync-free dispatch with outputs for ``W * max_tokens_per_rank`` rows, which no rank can
+    exceed (each source sends at most ``max_tokens_per_rank`` rows to each rank); :func:`dispatch` then
+    narrows them to the agreed counts."""
+    return receive(buf, plan, layout, buf.num_ranks * buf.max_tokens_per_rank, None, per_expert=False)
+
+
+def receive(
     buf: BufferView,
     plan: DispatchPlan,
     layout: DispatchLayout,
-    counts: tuple[list[int], list[int], list[int]] | None,
+    rows: int,
+    m: int | None,
+    per_expert: bool,
     slots: torch.Tensor | None = None,
-) -> Dispatched:
-    """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
-    ``slots``: :func:`send` already launched the sending half and returned these (else it is launched here)."""
-    assert plan.topk_idx is not None
+) -> Received:
+    """Launch the receiving half of a fresh dispatch (and its sending half first unless ``slots`` says
+    :func:`send` did) for outputs of ``rows`` received rows and ``m`` expanded rows (``expand=True``);
+    ``per_expert``: count every received entry per local expert on the device (sync-free)."""
     st: NativeEp = buf._native
     big_l, dev = buf.num_local_experts, buf.device
-    rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
-    a = plan.expert_alignment
-    if counts is not None:
-        send_counts, recv, per_local = counts
-        m = sum((c + a - 1) // a * a for c in per_local)
-    else:
-        m = expanded_capacity(rows, plan.num_topk, big_l, a)
     with torch.cuda.device(dev):  # entered once: a sync-free dispatch sends here too
         if slots is None:
             slots = _send(buf, plan, layout)
         out = _receive(buf, rows, True, plan.topk_weights is not None)
         # Entries per local expert: every received row's (sync-free), the kept rows' (expanded maps); the
         # receiver's first launch zeroes them.
-        hist = (
-            torch.empty(2 * big_l, dtype=torch.int32, device=dev) if counts is None or plan.expand else None
-        )
-        out["per_expert"] = hist[:big_l] if hist is not None and counts is None else None
+        hist = torch.empty(2 * big_l, dtype=torch.int32, device=dev) if per_expert or plan.expand else None
+        out["per_expert"] = hist[:big_l] if hist is not None and per_expert else None
         out["kept_per_expert"] = hist[big_l:] if hist is not None and plan.expand else None
         st.receive(
             row_bytes=_row_bytes(plan.x), rows=rows, num_topk=plan.num_topk, has_meta=True,
@@ -104,11 +144,44 @@ def dispatch(
         )  # fmt: skip
         fields: dict[str, Any] = {}
         if plan.expand:
-            recv_x, fields = _expand(st, buf, plan.x, out, rows, m, a)
+            assert m is not None
+            recv_x, fields = _expand(st, buf, plan.x, out, rows, m, plan.expert_alignment)
         else:
             recv_x = torch.empty(rows, plan.x.shape[1], dtype=plan.x.dtype, device=dev)
             st.copy_rows(plan.x, out["recv_starts"], None, recv_x, buf.num_sms, src_idx=out["recv_src_idx"])
+    return Received(out, recv_x, fields, slots, rows)
+
+
+def dispatch(
+    buf: BufferView,
+    plan: DispatchPlan,
+    layout: DispatchLayout,
+    counts: tuple[list[int], list[int], list[int]] | None,
+    slots: torch.Tensor | None = None,
+    received: Received | None = None,
+) -> Dispatched:
+    """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
+    ``slots``: :func:`send` already launched the sending half and returned these (else it is launched here);
+    ``received``: :func:`receive_early` already launched both halves (synced), whose outputs are narrowed
+    here to the received count."""
+    assert plan.topk_idx is not None
+    dev = buf.device
+    rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
+    if received is None:
+        a = plan.expert_alignment
+        if counts is not None:
+            m = sum((c + a - 1) // a * a for c in counts[2])
+        else:
+            m = expanded_capacity(rows, plan.num_topk, buf.num_local_experts, a)
+        received = receive(buf, plan, layout, rows, m, counts is None, slots)
+    out, recv_x, fields, slots = received.out, received.recv_x, received.fields, received.slots
+    if received.rows != rows:  # launched at capacity (receive_early): the rows past the count are padding
+        recv_x = recv_x[:rows]
+        for name in ("recv_src_idx", "recv_topk_idx", "recv_topk_weights", "recv_src_rank"):
+            if out[name] is not None:
+                out[name] = out[name][:rows]
     if counts is not None:
+        send_counts, recv, per_local = counts
         mode: dict[str, Any] = dict(
             send_counts=tuple(send_counts),
             recv_counts=tuple(recv),
@@ -135,8 +208,8 @@ def dispatch(
         recv_counts_device=out["recv_counts"],
         recv_starts=out["recv_starts"],
     )
-    received = (out["recv_src_rank"], out["recv_src_idx"], out["recv_topk_idx"])
-    handle = fresh_handle(buf, plan, layout, received, fields, mode)
+    received_rows = (out["recv_src_rank"], out["recv_src_idx"], out["recv_topk_idx"])
+    handle = fresh_handle(buf, plan, layout, received_rows, fields, mode)
     return recv_x, out["recv_topk_idx"], out["recv_topk_weights"], handle
 
 

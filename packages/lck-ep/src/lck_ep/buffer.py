@@ -20,7 +20,9 @@ combine is bit for bit reproducible, across runs and between the synced and sync
 
 Modes. *Synced* (default): outputs have the exact received size and the counts are host lists; one
 host synchronisation per fresh dispatch, in the count exchange, which also carries the cross-rank
-argument check. *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
+argument check (on the native backend a small compact dispatch's outputs are views of tensors sized for
+the Buffer's capacity, at most ``_native_exchange.EARLY_RECEIVE_BYTES`` in all: its kernels run before
+the counts reach the host). *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
 outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
 first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
 ``recv_x`` are unspecified: the native backend does not write them, as DeepEP's ``num_worst_tokens``
@@ -482,10 +484,14 @@ class Buffer:
         agreement = self._agree(error, digest, extra, out_of_range)
         assert plan is not None and layout is not None
         given, plan = plan, self._packed(plan)
-        slots = None
+        slots = early = None
         if self._native is not None:  # the sender needs no counts: it runs while the host waits for them
             packed = plan
-            slots = self._then(agreement, lambda: _native_exchange.send(self, packed, layout))
+            # Small, with the table still to come: the receiver too, at capacity (latency-bound calls)
+            if agreement.deferred and _native_exchange.receives_early(self, packed):
+                early = self._then(agreement, lambda: _native_exchange.receive_early(self, packed, layout))
+            else:
+                slots = self._then(agreement, lambda: _native_exchange.send(self, packed, layout))
         table = agreement.result()
         # Each rank's tokens per rank as Python ints at once (an op per element costs the host more).
         heads = table[:, : 1 + w].tolist()
@@ -494,7 +500,8 @@ class Buffer:
         mine = 1 + w + r * big_l  # this rank's experts' columns
         per_local = table[:, mine : mine + big_l].sum(0).tolist()
         if self._native is not None:
-            got = _native_exchange.dispatch(self, plan, layout, (send_counts, recv_counts, per_local), slots)
+            counts = (send_counts, recv_counts, per_local)
+            got = _native_exchange.dispatch(self, plan, layout, counts, slots, early)
         else:
             got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
         return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
