@@ -80,17 +80,16 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
             settled.append(refused)
 
     def gather(
-        vec: torch.Tensor, routed: RoutedCounts | None, n: int, check_words: int, flag_word: int
+        head: list[int], routed: RoutedCounts | None, n: int, check_words: int, flag_word: int
     ) -> Exchange:
-        # as ep_agree assembles it: the head, the routing's words, zeros
-        calls.append((vec.numel(), routed is not None, n, check_words, flag_word))
-        words = [vec] + ([routed.words()] if routed is not None else [])
+        # as ep_agree assembles it: the head (kernel arguments), the routing's words, zeros
+        calls.append((len(head), routed is not None, n, check_words, flag_word))
+        words = [torch.tensor(head, dtype=torch.int64)] + ([routed.words()] if routed is not None else [])
         whole = torch.cat(words)
         return Exchange(torch.cat([whole, whole.new_zeros(n - whole.numel())]))
 
     digest = [1] * len(DIGEST_FIELDS)
-    extra = torch.tensor([10 + rank, 20 + rank])
-    out: dict[str, Any] = {"table": agree(group, cpu, None, DIGEST_FIELDS, digest, extra, 2, gather).tolist()}
+    out: dict[str, Any] = {"table": agree(group, cpu, None, DIGEST_FIELDS, digest, None, 2, gather).tolist()}
     other = [1] * len(DIGEST_FIELDS)
     other[DIGEST_FIELDS.index("hidden")] = 7 + rank
     try:
@@ -110,11 +109,10 @@ def _through_gather(rank: int, world: int) -> dict[str, Any]:
         )
     except TypeError as exc:
         out["local"] = str(exc)
-    flagged = torch.tensor([1 if rank == 1 else 0, 0])
-    try:
-        agree(group, cpu, None, DIGEST_FIELDS, digest, flagged, 2, gather, lambda ranks: f"flagged: {ranks}")
-    except ValueError as exc:
-        out["flag"] = str(exc)
+    try:  # a device exchange takes the routing's words or none, not a tensor of them (refused on every rank)
+        agree(group, cpu, None, DIGEST_FIELDS, digest, torch.tensor([1, 0]), 2, gather)
+    except TypeError as exc:
+        out["tensor extra"] = str(exc)
     # a fresh dispatch's routing words: a flag for an entry outside [-1, 4), then the counts, read by the exchange
     counts = torch.tensor([3 + rank, 1], dtype=torch.int32), torch.tensor([1, 2, 0, 1], dtype=torch.int32)
     idx = torch.tensor([[0, -1], [3, 1]])
@@ -144,23 +142,17 @@ def test_agreement_through_a_gather_function_reaches_the_same_verdicts() -> None
     device can clear its refusal."""
     outs = run_workers(_through_gather, 2, timeout=120)
     for out in outs:
-        assert out["table"] == [[10, 20], [11, 21]]
+        assert out["table"] == [[0, 0], [0, 0]]  # no extra part: zeros, written by the exchange
         assert "Buffer.dispatch: ranks disagree on hidden (rank 0: 7, rank 1: 8)" in out["disagree"], out
         assert out["local"] == "rank 1: x is float64", out["local"]
-        assert out["flag"] == "flagged: [1]", out
-        # the device checks the status and the 11 digest words, and with a flag the first extra word
+        assert "extra must be RoutedCounts or None" in out["tensor extra"], out
+        # the device checks the status and the 11 digest words, and with a flag the first extra word; the
+        # head goes to the exchange as ints, the routing beside it, neither assembled here
         head = 1 + 11
-        # a call with no extra part hands the exchange the head alone: it writes the zeros itself
-        assert out["calls"][:4] == [
-            (head + 2, False, head + 2, 12, -1),
-            (head, False, head + 2, 12, -1),
-            (head, False, head + 2, 12, -1),
-            (head + 2, False, head + 2, 12, 12),
-        ]
-        # the routing goes to the exchange beside the head, not assembled here
-        assert out["calls"][4:] == [(head, True, head + 7, 12, 12)] * 2
-        assert out["routed"] == [[0, 3, 1, 1, 2, 0, 1], [0, 4, 1, 1, 2, 0, 1]]
+        assert out["calls"][:3] == [(head, False, head + 2, 12, -1)] * 3
+        assert out["calls"][3:] == [(head, True, head + 7, 12, 12)] * 2
+        assert out["routed"] == [[0, 3, 1, 1, 2, 0, 1], [0, 4, 1, 1, 2, 0, 1]]  # every rank's, in rank order
         assert out["group"] == out["routed"]
         assert out["routed flag"] == "out: [1]", out
-        # the device is told the verdict, which it reached itself: agreed, three refusals, agreed, a refusal
-        assert out["settled"] == [False, True, True, True, False, True]
+        # the device is told the verdict, which it reached itself: agreed, two refusals, agreed, a refusal
+        assert out["settled"] == [False, True, True, False, True]

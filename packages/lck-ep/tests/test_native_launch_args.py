@@ -368,45 +368,55 @@ def test_hybrid_send_partials_arguments() -> None:
 
 
 def test_native_agreement_exchange_arguments_and_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device agreement: one block, this member's vector, the mailbox's place and slots, the agreement's
-    number (1, 2, ... on every member alike), the output read back [W, n]; a vector longer than a slot is
-    refused before anything is launched."""
+    """The device agreement: one block, this member's head as 16 arguments (no copy to the device), the
+    mailbox's place and slots, the agreement's number (1, 2, ... on every member alike), the output read back
+    [W, n] with the status words after it (one copy); a head or vector longer than the kernel or a slot takes
+    is refused before anything is launched."""
     ep = _state(NativeEp)
     ep.device = torch.device("cpu")
     ep._mailbox, ep._slot_words, ep._agreements = 7 << 20, 40, 0
     ep._status_word = ep.status_host.numpy()
-    # The buffers made on first use, made here on the CPU: the output, its host copy and the event.
-    ep._agree_out = torch.zeros(4 * 40, dtype=torch.int64)
+    # The buffers made on first use, made here on the CPU: the output with the status after it, its host
+    # copy and the event.
+    ep._agree_out = torch.zeros(4 * 40 + 6, dtype=torch.int64)
     ep._agree_host = torch.zeros(4 * 40 + 6, dtype=torch.int64)
     ep._agree_done = SimpleNamespace(record=lambda stream: None, synchronize=lambda: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    vec = torch.arange(39, dtype=torch.int64)
+    head = list(range(100, 112))
+    head_args = [I64(v) for v in head] + [I64(0)] * 4
     launch = ep.launchers["ep_agree"]
     for seq in (1, 2):
-        exchange = ep.agree_start(vec, 17, 0, -1)  # an exchange without a verdict
+        ep._agree_out[4 * 39 : 4 * 39 + 6] = torch.arange(6) * 0  # the status words the kernel would copy
+        exchange = ep.agree_start(head, 17, 0, -1, None, 39)  # an exchange without a verdict
         table = exchange.table()
         exchange.settle(False)
         assert table.shape == (4, 39) and table.dtype == torch.int64 and table.device.type == "cpu"
         assert_launch(launch, seq - 1, 1, [
-            vec, I64(39), I64(39), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws,
-            I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39], ep.status, U64(17), I32(0),
-            I32(-1),
+            *head_args, I64(12), I64(39), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws,
+            I64(7 << 20), I64(40), I32(4), I32(1), U64(seq), ep._agree_out[: 4 * 39 + 6], ep.status, U64(17),
+            I32(0), I32(-1),
         ])  # fmt: skip
-    # a synced call's agreement: status and digest words checked, and a flag word, on the device
-    exchange = ep.agree_start(vec, 17, 12, 12)
+    # the host reads the status words the kernel wrote after the table: a refusal it recorded there
+    ep._agree_out[4 * 12] = 5
+    exchange = ep.agree_start(head, 17, 12, 12)
     assert_launch(launch, 2, 1, [
-        vec, I64(39), I64(39), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws, I64(7 << 20),
-        I64(40), I32(4), I32(1), U64(3), ep._agree_out[: 4 * 39], ep.status, U64(17), I32(12), I32(12),
+        *head_args, I64(12), I64(12), Ptr(0), I64(0), I64(0), Ptr(0), I64(0), Ptr(0), I64(0), ep.peer_ws,
+        I64(7 << 20), I64(40), I32(4), I32(1), U64(3), ep._agree_out[: 4 * 12 + 6], ep.status, U64(17), I32(12),
+        I32(12),
     ])  # fmt: skip
     with pytest.raises(RuntimeError, match="differs from the host's"):
+        exchange.settle(False)  # the device's refusal, read from the copied status words, against "agreed"
+    ep._agree_out.zero_()
+    exchange = ep.agree_start(head, 17, 12, 12)
+    with pytest.raises(RuntimeError, match="differs from the host's"):
         exchange.settle(True)  # the (recorded, not run) kernel refused nothing
-    # a fresh dispatch's: the head here, the routing words read by the kernel after it (flag, W + E counts)
-    head, idx = torch.arange(12, dtype=torch.int64), torch.zeros(6, 2, dtype=torch.int64)
+    # a fresh dispatch's: the head, the routing words read by the kernel after it (flag, W + E counts)
+    idx = torch.zeros(6, 2, dtype=torch.int64)
     per_rank, per_expert = torch.zeros(4, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
     ep.agree_start(head, 17, 12, 12, RoutedCounts(idx, 16, per_rank, per_expert), 12 + 21)
-    assert_launch(launch, 3, 1, [
-        head, I64(12), I64(33), idx, I64(12), I64(16), per_rank, I64(4), per_expert, I64(16), ep.peer_ws,
-        I64(7 << 20), I64(40), I32(4), I32(1), U64(4), ep._agree_out[: 4 * 33], ep.status, U64(17), I32(12),
+    assert_launch(launch, 4, 1, [
+        *head_args, I64(12), I64(33), idx, I64(12), I64(16), per_rank, I64(4), per_expert, I64(16), ep.peer_ws,
+        I64(7 << 20), I64(40), I32(4), I32(1), U64(5), ep._agree_out[: 4 * 33 + 6], ep.status, U64(17), I32(12),
         I32(12),
     ])  # fmt: skip
     with pytest.raises(
@@ -414,10 +424,10 @@ def test_native_agreement_exchange_arguments_and_sequence(monkeypatch: pytest.Mo
     ):
         ep.agree_start(head, 17, 12, 12, RoutedCounts(idx, 16, per_rank, per_expert), 12 + 20)
     with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
-        ep.agree_start(torch.arange(40, dtype=torch.int64), 17, 0, -1)
-    with pytest.raises(ValueError, match="does not fit the agreement mailbox"):
         ep.agree_start(head, 17, 0, -1, None, 40)
-    assert len(launch.calls) == 4 and ep._agreements == 4
+    with pytest.raises(ValueError, match="a head of 17 words; the kernel takes at most 16"):
+        ep.agree_start(list(range(17)), 17, 0, -1)
+    assert len(launch.calls) == 5 and ep._agreements == 5
 
 
 def test_only_the_scale_up_state_agrees_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,9 +121,9 @@ class Exchange(Protocol):
         ...
 
 
-# (the vector's head: status and digest words, the routing words that follow it or None, the vector's length,
-# words checked on the device: status and digest, the extra flag word or -1) -> the exchange
-Gather = Callable[[torch.Tensor, "RoutedCounts | None", int, int, int], Exchange]
+# (the vector's head as ints: status and digest words, the routing words that follow it or None, the vector's
+# length, words checked on the device: status and digest, the extra flag word or -1) -> the exchange
+Gather = Callable[[list[int], "RoutedCounts | None", int, int, int], Exchange]
 
 
 class Agreement:
@@ -159,8 +159,8 @@ def agree(
 
     ``digest`` has one int per entry of ``fields`` (ignored when ``local_error`` is set; ``fields``
     must be the same sequence on every rank);
-    ``extra`` is an int64 device tensor of ``extra_len`` elements, a :class:`RoutedCounts` (its flag and
-    counts, ``extra_len`` words), or None (zeros are sent). Returns the
+    ``extra`` is an int64 device tensor of ``extra_len`` elements (over the group only), a
+    :class:`RoutedCounts` (its flag and counts, ``extra_len`` words), or None (zeros are sent). Returns the
     gathered ``extra`` part, ``[world, extra_len]`` int64 on the CPU. Collective over ``group``; it
     synchronises the host with the device once (the ``.cpu()`` of the gathered matrix). ``gather``, when
     given, all-gathers the vector (built on ``device``) in place of the group's all-gather (a native state's
@@ -189,23 +189,20 @@ def start_agreement(
     n = len(fields)
     head = [1 if local_error is not None else 0]
     head += [0] * n if local_error is not None or digest is None else [int(v) for v in digest]
-    # Without waiting for the stream: a synced call must not first wait for every earlier launch.
-    vec = to_device(head, torch.int64, device)
     if local_error is not None:
         extra = None
-    routed = extra if isinstance(extra, RoutedCounts) and gather is not None else None
-    # The whole vector here, unless the exchange reads the routing itself or, with no extra part, writes the
-    # zeros itself (a synced combine or replay: two launches and an allocation fewer on its host path).
-    if extra_len and routed is None and (gather is None or extra is not None):
-        if isinstance(extra, RoutedCounts):
-            extra = extra.words()
-        tail = (
-            extra.to(device=device, dtype=torch.int64).reshape(-1)
-            if extra is not None
-            else torch.zeros(extra_len, dtype=torch.int64, device=device)
-        )
-        vec = torch.cat([vec, tail])
     if gather is None:
+        # Without waiting for the stream: a synced call must not first wait for every earlier launch.
+        vec = to_device(head, torch.int64, device)
+        if extra_len:
+            if isinstance(extra, RoutedCounts):
+                extra = extra.words()
+            tail = (
+                extra.to(device=device, dtype=torch.int64).reshape(-1)
+                if extra is not None
+                else torch.zeros(extra_len, dtype=torch.int64, device=device)
+            )
+            vec = torch.cat([vec, tail])
         world = dist.get_world_size(group)
         gathered = vec.new_empty(world, vec.numel())
         dist.all_gather(list(gathered.unbind(0)), vec, group=group)
@@ -214,9 +211,13 @@ def start_agreement(
         except _Refused as refused:
             raise refused.error from None
         return Agreement(lambda: table, deferred=False)
+    # The exchange takes the head as ints (no copy to the device) and reads a dispatch's routing words itself;
+    # it writes zeros for an absent extra part.
+    if extra is not None and not isinstance(extra, RoutedCounts):
+        raise TypeError("start_agreement: through a device exchange, extra must be RoutedCounts or None")
     # The device checks the status and digest words, and the flag word, exactly as _verdict does.
     exchange = gather(
-        vec, routed, len(head) + extra_len, 1 + n, 1 + n if flag is not None and extra_len else -1
+        head, extra, len(head) + extra_len, 1 + n, 1 + n if flag is not None and extra_len else -1
     )
 
     def result() -> torch.Tensor:

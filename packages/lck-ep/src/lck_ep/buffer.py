@@ -371,8 +371,8 @@ class Buffer:
         with this Buffer's bound."""
         st, timeout_ns = self._native, self.timeout_ns
         assert st is not None
-        return lambda vec, routed, n, check_words, flag_word: st.agree_start(
-            vec, timeout_ns, check_words, flag_word, routed, n
+        return lambda head, routed, n, check_words, flag_word: st.agree_start(
+            head, timeout_ns, check_words, flag_word, routed, n
         )
 
     def _agree(

@@ -224,12 +224,16 @@ _NATIVE_BODIES = {
     ),
     "ep_agree": (
         "agree.cuh",
-        """const long long* vec, long long head_n, long long n, const long long* idx, long long idx_n,
+        # the head words by value (h0..h15: lck_ep.native.AGREE_HEAD), no copy of them to the device
+        """long long h0, long long h1, long long h2, long long h3, long long h4, long long h5, long long h6, long long h7,
+    long long h8, long long h9, long long h10, long long h11, long long h12, long long h13, long long h14, long long h15,
+    long long head_n, long long n, const long long* idx, long long idx_n,
     long long idx_hi, const int* per_rank, long long rank_words, const int* per_expert, long long expert_words,
     const long long* peer_ws, long long mailbox_offset, long long slot_words, int num_ranks, int me,
     unsigned long long seq, long long* out, long long* status, unsigned long long timeout_ns, int check_words,
     int flag_word""",
-        """lck_ep::AgreeArgs a{vec, head_n, n, idx, idx_n, idx_hi, per_rank, rank_words, per_expert, expert_words,
+        """lck_ep::AgreeArgs a{{h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15},
+                     head_n, n, idx, idx_n, idx_hi, per_rank, rank_words, per_expert, expert_words,
                      peer_ws, mailbox_offset, slot_words, num_ranks, me, seq, out, status, timeout_ns, check_words,
                      flag_word};
     lck_ep::agree_exchange(a);""",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ from lck_runtime.jit import Jit
 from lck_runtime.symmetric import moe_agreement_offset, moe_agreement_slot_words
 
 __all__ = [
+    "AGREE_HEAD",
     "DEFAULT_NUM_SMS",
     "NATIVE_DTYPES",
     "NativeEp",
@@ -96,6 +98,9 @@ DEVICE_AGREEMENT_ENV = "EP_DEVICE_AGREEMENT"
 _MIXED_COMBINE = 4
 # status[0] after a synced call's agreement refused its arguments (agree.cuh): cleared once the host raises
 _AGREE_REFUSED = 5
+# The most head words (status and digest) ep_agree takes as arguments (agree.cuh: kAgreeHead).
+AGREE_HEAD = 16
+_NO_HEAD = (0,) * AGREE_HEAD
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], dict[str, Any]] = {}
 _STATES: dict[int, NativeEp] = {}
@@ -111,23 +116,28 @@ class DeviceExchange:
     def __init__(self, state: NativeEp, n: int) -> None:
         self._state, self._n = state, n
 
+    def _status(self) -> torch.Tensor:
+        # the kernel writes the context's status words after the table: one copy brings both
+        st = self._state
+        at = st.size * self._n
+        return st._agree_host[at : at + st.status.numel()]
+
     def table(self) -> torch.Tensor:
         """The ``[W, n]`` table on the host, once the exchange (not what was launched after it) is done;
         raises :class:`NativeTimeoutError` when a member did not arrive."""
         st = self._state
         st._agree_done.synchronize()
-        host = st._agree_host
-        status = host[-st.status.numel() :]
+        status = self._status()
         if int(status[0]) not in (0, _AGREE_REFUSED):
             st.status_host.copy_(status)
             st.raise_if_failed()
-        return host[: st.size * self._n].view(st.size, self._n).clone()
+        return st._agree_host[: st.size * self._n].view(st.size, self._n).clone()
 
     def settle(self, refused: bool) -> None:
         """The host's verdict on the table: when refused, the device refused too (status code 5, which
         made the calls launched since return at once); clear it so that the context stays usable."""
         st = self._state
-        gated = int(st._agree_host[-st.status.numel()]) == _AGREE_REFUSED
+        gated = int(self._status()[0]) == _AGREE_REFUSED
         if refused != gated:
             raise RuntimeError(
                 f"lck_ep: the device agreement's verdict ({'refused' if gated else 'agreed'}) differs from the "
@@ -671,7 +681,7 @@ class NativeEp:
     # -- argument agreement ----------------------------------------------------------------------------
     def agree_start(
         self,
-        vec: torch.Tensor,
+        head: Sequence[int],
         timeout_ns: int,
         check_words: int,
         flag_word: int,
@@ -679,17 +689,19 @@ class NativeEp:
         n: int | None = None,
     ) -> DeviceExchange:
         """Enqueue the all-gather of every member's vector (int64, the same length ``n`` everywhere, default
-        ``vec``'s) through the workspaces' mailboxes (ep_agree) and the copy of the ``[W, n]`` result to the
-        host, without waiting. The vector is ``vec`` (contiguous, on this state's device), then ``routed``'s
-        words (:class:`lck_ep.agreement.RoutedCounts`, read by the kernel from the routing and the layout),
-        then zeros. The kernel also reaches the host's verdict: when a member's
-        status word (``vec[0]``) is set, the next ``check_words - 1`` words differ between members, or word
+        ``head``'s) through the workspaces' mailboxes (ep_agree) and the copy of the ``[W, n]`` result to the
+        host, without waiting. The vector is ``head`` (at most :data:`AGREE_HEAD` ints, passed to the kernel as
+        arguments), then ``routed``'s words (:class:`lck_ep.agreement.RoutedCounts`, read by the kernel from
+        the routing and the layout), then zeros. The kernel also reaches the host's verdict: when a member's
+        status word (``head[0]``) is set, the next ``check_words - 1`` words differ between members, or word
         ``flag_word`` (>= 0) is set on any member, it records status code 5 on this member, so that every
         dispatch or combine launched after it returns at once, on every member alike, until
         :meth:`DeviceExchange.settle`. Collective over the context's members, in the same sequence of
         agreements everywhere; a member that does not arrive within ``timeout_ns`` makes
         :meth:`DeviceExchange.table` raise :class:`NativeTimeoutError`."""
-        head_n = vec.numel()
+        head_n = len(head)
+        if head_n > AGREE_HEAD:
+            raise ValueError(f"agree_start: a head of {head_n} words; the kernel takes at most {AGREE_HEAD}")
         n = head_n if n is None else n
         idx, per_rank, per_expert, hi = None, None, None, 0
         if routed is not None:
@@ -710,17 +722,18 @@ class NativeEp:
                 f"({self._slot_words - 1} words)"
             )
         self.raise_if_failed()
-        if self._agree_out is None:  # [W, slot_words] on the device and pinned, the status after them
-            words = self.size * self._slot_words
+        if self._agree_out is None:  # [W, slot_words] and the status after them, on the device and pinned
+            words = self.size * self._slot_words + self.status.numel()
             self._agree_out = torch.empty(words, dtype=torch.int64, device=self.device)
-            self._agree_host = torch.empty(words + self.status.numel(), dtype=torch.int64, pin_memory=True)
+            self._agree_host = torch.empty(words, dtype=torch.int64, pin_memory=True)
             self._agree_done = torch.cuda.Event()
         self._agreements += 1
-        out = self._agree_out[: self.size * n]
+        out = self._agree_out[: self.size * n + self.status.numel()]  # the table, then the status words
         self.launchers["ep_agree"](
             1,
             [
-                vec.data_ptr(),
+                *(int(v) for v in head),
+                *_NO_HEAD[head_n:],
                 head_n,
                 n,
                 _addr(idx),
@@ -743,9 +756,7 @@ class NativeEp:
                 flag_word,
             ],
         )
-        host = self._agree_host
-        host[: out.numel()].copy_(out, non_blocking=True)
-        host[-self.status.numel() :].copy_(self.status, non_blocking=True)
+        self._agree_host[: out.numel()].copy_(out, non_blocking=True)
         self._agree_done.record(torch.cuda.current_stream(self.device))
         return DeviceExchange(self, n)
 

@@ -11,8 +11,10 @@
 // copies the set out for the host. A member cannot start agreement q + 2, which reuses the set, before
 // every member has written agreement q + 1, which each does only after reading agreement q.
 //
-// The vector's words come from a host-built head (status and digest) and, for a fresh dispatch, from the
-// routing itself (a flag for out-of-range expert indices, the layout's counts): see AgreeArgs.
+// The vector's words come from a head the host passes as kernel arguments (status and digest: no copy to
+// the device before the exchange) and, for a fresh dispatch, from the routing itself (a flag for out-of-range
+// expert indices, the layout's counts): see AgreeArgs. The table goes out followed by the context's status
+// words as they stand at the end of the kernel, so that one copy brings both to the host.
 //
 // One block (one waiting thread per member). A member that does not arrive within timeout_ns leaves the
 // context's diagnostic (code 1, or 2 for a member at another agreement: it made different calls), as the
@@ -31,10 +33,12 @@
 namespace lck_ep {
 
 constexpr long long kPhaseAgree = 9;  // a synced call, waiting for a member's arguments
+constexpr int kAgreeHead = 16;        // most head words (lck_ep.native.AGREE_HEAD)
+constexpr int kAgreeStatusWords = 6;  // the context's status words (lck_ep.native: status[6])
 
 struct AgreeArgs {
-  const long long* vec;      // [head_n] the start of this member's vector (status and digest words)
-  long long head_n;
+  long long head[kAgreeHead];  // the start of this member's vector (status and digest words), by value
+  long long head_n;            // at most kAgreeHead
   long long n;               // the vector's length: at most slot_words - 1
   // A fresh dispatch's routing words, read here rather than assembled by launches of their own (none when
   // idx is null: words [head_n, n) are then 0): word head_n is 1 when an entry of idx lies outside
@@ -50,7 +54,7 @@ struct AgreeArgs {
   long long slot_words;      // int64 words per slot: the sequence word, then the vector
   int num_ranks, me;
   unsigned long long seq;    // this agreement's number, from 1
-  long long* out;            // [W, n] the members' vectors, by member
+  long long* out;            // [W, n] the members' vectors, by member, then the status words
   long long* status;
   unsigned long long timeout_ns;
   int check_words;  // the status and digest words the verdict compares (0: no verdict)
@@ -67,7 +71,7 @@ __device__ __forceinline__ long long* agree_slot(const AgreeArgs& a, int member,
 
 // Word j of this member's vector (flag: the block's verdict on idx).
 __device__ __forceinline__ long long agree_word(const AgreeArgs& a, long long j, long long flag) {
-  if (j < a.head_n) return a.vec[j];
+  if (j < a.head_n) return a.head[j];
   if (a.idx == nullptr) return 0;
   j -= a.head_n;
   if (j == 0) return flag;
@@ -77,7 +81,7 @@ __device__ __forceinline__ long long agree_word(const AgreeArgs& a, long long j,
   return j < a.expert_words ? a.per_expert[j] : 0;
 }
 
-__device__ inline void agree_exchange(const AgreeArgs& a) {
+__device__ inline void agree_body(const AgreeArgs& a) {
   if (failed(a.status)) return;  // the same word for every thread: no thread leaves the block's barriers
   int outside = 0;
   if (a.idx != nullptr) {
@@ -119,6 +123,16 @@ __device__ inline void agree_exchange(const AgreeArgs& a) {
       if (bad) refuse = s;
     }
     if (refuse >= 0) report(a.status, kAgreeRefused, kPhaseAgree, refuse, 0, 0, 0);
+  }
+}
+
+// The exchange, then the status words after the table (every path of agree_body returns alike on every
+// thread, so all of them reach the barrier).
+__device__ inline void agree_exchange(const AgreeArgs& a) {
+  agree_body(a);
+  __syncthreads();
+  if (threadIdx.x < kAgreeStatusWords) {
+    a.out[a.n * a.num_ranks + threadIdx.x] = *reinterpret_cast<const volatile long long*>(a.status + threadIdx.x);
   }
 }
 
