@@ -570,11 +570,11 @@ def test_a_synced_dispatch_receives_early_only_when_small_and_compact() -> None:
     plan = DispatchPlan(x, torch.zeros(2, 8, dtype=torch.int64), None, None, 2, 8, False, 1, 0)
     row = 7168 * 2 + 8 * 12 + 16
     fits = nx.EARLY_RECEIVE_BYTES // (8 * row)  # tokens per rank at 8 ranks
-    assert nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=fits), plan)
-    assert not nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=fits + 1), plan)
+    assert nx.receives_early(SimpleNamespace(worst_case_tokens=8 * fits), plan)
+    assert not nx.receives_early(SimpleNamespace(worst_case_tokens=8 * (fits + 1)), plan)
     assert fits >= 128  # DeepSeek-V3's rows at 128 tokens per rank over 8 ranks take this path
     expanded = DispatchPlan(x, plan.topk_idx, None, None, 2, 8, True, 1, 0)
-    assert not nx.receives_early(SimpleNamespace(num_ranks=8, max_tokens_per_rank=1), expanded)
+    assert not nx.receives_early(SimpleNamespace(worst_case_tokens=8), expanded)
 
 
 @pytest.mark.parametrize("weights", [False, True])

@@ -41,7 +41,7 @@ __all__ = [
 def _receive(buf: BufferView, rows: int, meta: bool, weights: bool) -> dict[str, Any]:
     """The receiving kernel's outputs; the int64 ones are views of one allocation (fewer host calls)."""
     dev, w, k = buf.device, buf.num_ranks, buf.num_topk
-    cap = w * buf.max_tokens_per_rank
+    cap = buf.worst_case_tokens
     sizes = [w, w + 1, 1] + ([rows, rows * k, rows, cap] if meta else [])
     ints = torch.empty(sum(sizes), dtype=torch.int64, device=dev).split(sizes)
     out: dict[str, Any] = {"recv_counts": ints[0], "recv_starts": ints[1], "num_recv": ints[2]}
@@ -103,7 +103,7 @@ def receives_early(buf: BufferView, plan: DispatchPlan) -> bool:
         return False
     # recv_x, then per row the routing (K int64 experts, K float32 weights), source index and rank, slot
     row = _row_bytes(plan.x) + plan.num_topk * 12 + 16
-    return buf.num_ranks * buf.max_tokens_per_rank * row <= EARLY_RECEIVE_BYTES
+    return buf.worst_case_tokens * row <= EARLY_RECEIVE_BYTES
 
 
 def receive_early(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Received:
@@ -111,7 +111,7 @@ def receive_early(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -
     kernels of a sync-free dispatch with outputs for ``W * max_tokens_per_rank`` rows, which no rank can
     exceed (each source sends at most ``max_tokens_per_rank`` rows to each rank); :func:`dispatch` then
     narrows them to the agreed counts."""
-    return receive(buf, plan, layout, buf.num_ranks * buf.max_tokens_per_rank, None, per_expert=False)
+    return receive(buf, plan, layout, buf.worst_case_tokens, None, per_expert=False)
 
 
 def receive(

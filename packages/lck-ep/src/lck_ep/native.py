@@ -732,7 +732,7 @@ class NativeEp:
         self.launchers["ep_agree"](
             1,
             [
-                *(int(v) for v in head),
+                *head,
                 *_NO_HEAD[head_n:],
                 head_n,
                 n,
