@@ -1,0 +1,164 @@
+"""The parts of the fused linear cross entropy's host time, on one CUDA GPU (under a minute).
+
+    python packages/lck-kernels/benchmarks/host_linear_ce_parts.py [--out DIR]   (default: $OUT, else here)
+
+At 8192x4096->128256 bf16 (host ms, ``lck_runtime.benchmarking.host_ms``: the GPU kept busy):
+
+- forward+backward of ``fused_linear_cross_entropy`` (mean) by the number of chunks (``max_chunk_tokens``
+  8192 to 1024): the slope is what one more chunk costs the host (three GEMMs, a row kernel, the side
+  stream's events);
+- the GEMMs of one 2048-token chunk one at a time through torch (``torch.mm(out=)``, ``addmm_``), and the same
+  GEMMs as one ``cublasGemmEx`` each on torch's own cuBLAS handle through ctypes (cuBLAS's own host cost, with
+  the operands torch's column-major mapping gives), with a bit-for-bit comparison of their outputs;
+- for scale, one elementwise op (``x * 2``) and one ``torch.empty``.
+
+Prints all and writes ``host-linear-ce-parts-<gpu>-<date>.json`` with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from lck_runtime.benchmarking import gpu_slug, host_ms, provenance
+
+_OP = {"n": 0, "t": 1}
+_BF16, _COMPUTE_32F, _DEFAULT_TENSOR_OP = (
+    14,
+    68,
+    99,
+)  # cudaDataType CUDA_R_16BF, cublasComputeType, cublasGemmAlgo
+
+
+def _loaded_cublas() -> ctypes.CDLL:
+    """The libcublas this process already loaded (torch's): a second copy must not touch torch's handle."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcublas.so" in line and "libcublasLt" not in line}
+    if len(paths) != 1:
+        raise RuntimeError(f"expected one loaded libcublas, found {sorted(paths)}")
+    return ctypes.CDLL(paths.pop())
+
+
+def _gemm_ex(lib: ctypes.CDLL) -> object:
+    """out[m, n] = a[m, k] @ b[k, n] (row-major views with unit column stride or unit row stride) as torch maps
+    it onto column-major cuBLAS: out^T = b^T a^T, with beta 0 or 1."""
+    fn = lib.cublasGemmEx
+    fn.restype = ctypes.c_int
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def ld_op(t: torch.Tensor) -> tuple[int, int]:
+        # row-major [r, c] with stride (c', 1): column-major [c, r] with ld c', no transpose; with stride (1, r'):
+        # column-major [r, c] with ld r', transposed.
+        return (t.stride(0), _OP["n"]) if t.stride(1) == 1 else (t.stride(1), _OP["t"])
+
+    def call(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 0.0) -> None:
+        m, k = a.shape
+        n = b.shape[1]
+        ldb, opb = ld_op(b)
+        lda, opa = ld_op(a)
+        handle = ctypes.c_void_p(torch.cuda.current_blas_handle())
+        rc = fn(
+            handle,
+            opb,
+            opa,
+            n,
+            m,
+            k,
+            ctypes.byref(one),
+            ctypes.c_void_p(b.data_ptr()),
+            _BF16,
+            ldb,
+            ctypes.c_void_p(a.data_ptr()),
+            _BF16,
+            lda,
+            ctypes.byref(one if beta else zero),
+            ctypes.c_void_p(out.data_ptr()),
+            _BF16,
+            out.stride(0),
+            _COMPUTE_32F,
+            _DEFAULT_TENSOR_OP,
+        )
+        if rc != 0:
+            raise RuntimeError(f"cublasGemmEx returned {rc}")
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    from lck_kernels import fused_linear_cross_entropy
+
+    n, h, v, m = 8192, 4096, 128256, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    out: dict[str, object] = {"blas_backend": str(torch.backends.cuda.preferred_blas_library())}
+    by_chunks: dict[int, float | None] = {}
+    for tokens in (8192, 4096, 2048, 1024):
+
+        def step(tokens: int = tokens) -> object:
+            loss = fused_linear_cross_entropy(x, w, t, chunk_bytes=1 << 40, max_chunk_tokens=tokens)
+            return torch.autograd.grad(loss, (x, w))
+
+        by_chunks[n // tokens] = host_ms(step, iters=10)
+        print(f"flce fwd+bwd, {n // tokens} chunks: {by_chunks[n // tokens]}", flush=True)
+    out["flce_fwd_bwd_by_chunks"] = by_chunks
+
+    xc, wd = x.detach()[:m], w.detach()
+    logits = torch.randn(m, v, device="cuda", dtype=torch.bfloat16, generator=g)
+    gw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    gx = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    torch_calls = {
+        "mm logits [m,H]@[H,V]": lambda: torch.mm(xc, wd.T, out=logits),
+        "mm grad_x [m,V]@[V,H]": lambda: torch.mm(logits, wd, out=gx),
+        "mm grad_w [V,m]@[m,H]": lambda: torch.mm(logits.T, xc, out=gw),
+        "addmm_ grad_w": lambda: gw.addmm_(logits.T, xc),
+        "x * 2": lambda: xc * 2,
+        "torch.empty": lambda: torch.empty(m, h, device="cuda", dtype=torch.bfloat16),
+    }
+    out["torch_host_ms"] = {k: host_ms(fn, iters=30) for k, fn in torch_calls.items()}
+    gemm = _gemm_ex(_loaded_cublas())
+    direct = {
+        "mm logits [m,H]@[H,V]": lambda: gemm(logits, xc, wd.T),
+        "mm grad_x [m,V]@[V,H]": lambda: gemm(gx, logits, wd),
+        "mm grad_w [V,m]@[m,H]": lambda: gemm(gw, logits.T, xc),
+        "addmm_ grad_w": lambda: gemm(gw, logits.T, xc, beta=1.0),
+    }
+    out["cublas_gemm_ex_host_ms"] = {k: host_ms(fn, iters=30) for k, fn in direct.items()}
+    # Bits: each GEMM through torch and directly, from the same operands (grad_w's accumulate from one start).
+    same = {}
+    for key, (ref, mine) in {
+        "logits": (lambda: torch.mm(xc, wd.T), lambda o: gemm(o, xc, wd.T)),
+        "grad_x": (lambda: torch.mm(logits, wd), lambda o: gemm(o, logits, wd)),
+        "grad_w": (lambda: torch.mm(logits.T, xc), lambda o: gemm(o, logits.T, xc)),
+    }.items():
+        expect = ref()
+        got = torch.full_like(expect, float("nan"))
+        mine(got)
+        same[key] = bool(torch.equal(expect, got))
+    start = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    a, b = start.clone(), start.clone()
+    a.addmm_(logits.T, xc)
+    gemm(b, logits.T, xc, beta=1.0)
+    same["grad_w accumulate"] = bool(torch.equal(a, b))
+    out["direct_equals_torch"] = same
+    for section in ("torch_host_ms", "cublas_gemm_ex_host_ms", "direct_equals_torch"):
+        for k, val in out[section].items():  # type: ignore[union-attr]
+            print(f"{section:<24} {k:<26} {val}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"host-linear-ce-parts-{gpu_slug()}-{_dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"provenance": provenance(), **out}, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
