@@ -10,6 +10,9 @@ At 8192x4096->128256 bf16 (host ms, ``lck_runtime.benchmarking.host_ms``: the GP
 - the GEMMs of one 2048-token chunk one at a time through torch (``torch.mm(out=)``, ``addmm_``), and the same
   GEMMs as one ``cublasGemmEx`` each on torch's own cuBLAS handle through ctypes (cuBLAS's own host cost, with
   the operands torch's column-major mapping gives), with a bit-for-bit comparison of their outputs;
+- the same GEMMs as one ``cublasLtMatmul`` each with an algorithm chosen once (what a cached plan costs the
+  host), and which of cublasLt's heuristic candidates, under four workspace limits, give torch's bits, there and
+  at two smaller shapes;
 - for scale, one elementwise op (``x * 2``) and one ``torch.empty``.
 
 Prints all and writes ``host-linear-ce-parts-<gpu>-<date>.json`` with provenance.
@@ -36,13 +39,89 @@ _BF16, _COMPUTE_32F, _DEFAULT_TENSOR_OP = (
 )  # cudaDataType CUDA_R_16BF, cublasComputeType, cublasGemmAlgo
 
 
-def _loaded_cublas() -> ctypes.CDLL:
-    """The libcublas this process already loaded (torch's): a second copy must not touch torch's handle."""
+def _loaded(name: str) -> ctypes.CDLL:
+    """The ``name`` library (``libcublas.so``, ``libcublasLt.so``) this process already loaded (torch's): a second
+    copy must not touch torch's handle."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcublas.so" in line and "libcublasLt" not in line}
+        paths = {line.split()[-1] for line in maps if f"/{name}" in line}
     if len(paths) != 1:
-        raise RuntimeError(f"expected one loaded libcublas, found {sorted(paths)}")
+        raise RuntimeError(f"expected one loaded {name}, found {sorted(paths)}")
     return ctypes.CDLL(paths.pop())
+
+
+def _ld_op(t: torch.Tensor) -> tuple[int, int]:
+    """A row-major [r, c] operand as cuBLAS sees it: stride (c', 1) is column-major [c, r] with ld c', no
+    transpose; stride (1, r') is column-major [r, c] with ld r', transposed."""
+    return (t.stride(0), _OP["n"]) if t.stride(1) == 1 else (t.stride(1), _OP["t"])
+
+
+class _HeuristicResult(ctypes.Structure):
+    # cublasLtMatmulHeuristicResult_t: the algo (8 words), its workspace, state, waves, 4 reserved ints.
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # fmt: skip
+
+
+class _LtGemm:
+    """torch's column-major mapping of ``out = a @ b (+ out)`` as one ``cublasLtMatmul`` with an algorithm chosen
+    once (heuristic candidate ``index`` under a ``workspace``-byte limit): what a cached plan would cost the host
+    per GEMM, and whether any candidate gives cublasGemmEx's bits."""
+
+    handle: ctypes.c_void_p | None = None  # one cublasLt handle for the process
+
+    def __init__(self, lib: ctypes.CDLL, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float,
+                 workspace: int, index: int) -> None:  # fmt: skip
+        vp = ctypes.c_void_p
+        self.lib, self.out, self.a, self.b = lib, out, a, b
+        if _LtGemm.handle is None:
+            _LtGemm.handle = vp()
+            self._ok(lib.cublasLtCreate(ctypes.byref(_LtGemm.handle)), "cublasLtCreate")
+        self.desc = vp()
+        self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, 0), "DescCreate")
+        m, k = a.shape
+        n = b.shape[1]
+        ldb, opb = _ld_op(b)
+        lda, opa = _ld_op(a)
+        for attr, op in ((3, opb), (4, opa)):  # CUBLASLT_MATMUL_DESC_TRANSA / TRANSB
+            val = ctypes.c_int32(op)
+            self._ok(
+                lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), 4), "SetAttribute"
+            )
+
+        def layout(rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+            h = vp()
+            self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(h), _BF16, ctypes.c_uint64(rows),
+                                                    ctypes.c_uint64(cols), ctypes.c_int64(ld)), "LayoutCreate")  # fmt: skip
+            return h
+
+        # cuBLAS's A is b^T (n x k before op), B is a^T (k x m), C is out^T (n x m); stored shapes before op.
+        self.la = layout(n, k, ldb) if opb == 0 else layout(k, n, ldb)
+        self.lb = layout(k, m, lda) if opa == 0 else layout(m, k, lda)
+        self.lc = layout(n, m, out.stride(0))
+        pref = vp()
+        self._ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        ws = ctypes.c_uint64(workspace)
+        self._ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, 1, ctypes.byref(ws), 8), "PreferenceSet")
+        results = (_HeuristicResult * 8)()
+        count = ctypes.c_int(0)
+        self._ok(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.la, self.lb, self.lc, self.lc,
+                                                    pref, 8, results, ctypes.byref(count)), "GetHeuristic")  # fmt: skip
+        self.candidates = count.value
+        self.algo = results[min(index, count.value - 1)]
+        self.ws = torch.empty(max(workspace, 1), dtype=torch.uint8, device="cuda")
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(beta)
+
+    @staticmethod
+    def _ok(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"cublasLt {what} returned {rc}")
+
+    def __call__(self) -> None:
+        c = ctypes.c_void_p(self.out.data_ptr())
+        self._ok(self.lib.cublasLtMatmul(
+            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(self.b.data_ptr()), self.la,
+            ctypes.c_void_p(self.a.data_ptr()), self.lb, ctypes.byref(self.beta), c, self.lc, c, self.lc,
+            ctypes.byref(self.algo.algo), ctypes.c_void_p(self.ws.data_ptr()), ctypes.c_size_t(self.ws.numel()),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "Matmul")  # fmt: skip
 
 
 def _gemm_ex(lib: ctypes.CDLL) -> object:
@@ -52,16 +131,11 @@ def _gemm_ex(lib: ctypes.CDLL) -> object:
     fn.restype = ctypes.c_int
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def ld_op(t: torch.Tensor) -> tuple[int, int]:
-        # row-major [r, c] with stride (c', 1): column-major [c, r] with ld c', no transpose; with stride (1, r'):
-        # column-major [r, c] with ld r', transposed.
-        return (t.stride(0), _OP["n"]) if t.stride(1) == 1 else (t.stride(1), _OP["t"])
-
     def call(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 0.0) -> None:
         m, k = a.shape
         n = b.shape[1]
-        ldb, opb = ld_op(b)
-        lda, opa = ld_op(a)
+        ldb, opb = _ld_op(b)
+        lda, opa = _ld_op(a)
         handle = ctypes.c_void_p(torch.cuda.current_blas_handle())
         rc = fn(
             handle,
@@ -126,7 +200,7 @@ def main() -> None:
         "torch.empty": lambda: torch.empty(m, h, device="cuda", dtype=torch.bfloat16),
     }
     out["torch_host_ms"] = {k: host_ms(fn, iters=30) for k, fn in torch_calls.items()}
-    gemm = _gemm_ex(_loaded_cublas())
+    gemm = _gemm_ex(_loaded("libcublas.so"))
     direct = {
         "mm logits [m,H]@[H,V]": lambda: gemm(logits, xc, wd.T),
         "mm grad_x [m,V]@[V,H]": lambda: gemm(gx, logits, wd),
@@ -151,7 +225,44 @@ def main() -> None:
     gemm(b, logits.T, xc, beta=1.0)
     same["grad_w accumulate"] = bool(torch.equal(a, b))
     out["direct_equals_torch"] = same
-    for section in ("torch_host_ms", "cublas_gemm_ex_host_ms", "direct_equals_torch"):
+    # cublasLt with an algorithm chosen once: which heuristic candidates (by workspace limit) give torch's bits,
+    # at this chunk's GEMMs and at two smaller shapes, and its host cost per call.
+    lt = _loaded("libcublasLt.so")
+    matches: dict[str, dict[str, object]] = {}
+    for mm, hh, vv in ((m, h, v), (1000, 1024, 32000), (13, 256, 1000)):
+        xs = torch.randn(mm, hh, device="cuda", dtype=torch.bfloat16, generator=g)
+        ws_ = torch.randn(vv, hh, device="cuda", dtype=torch.bfloat16, generator=g)
+        ls = torch.randn(mm, vv, device="cuda", dtype=torch.bfloat16, generator=g)
+        cases = {
+            "logits": (xs, ws_.T, torch.mm(xs, ws_.T)),
+            "grad_x": (ls, ws_, torch.mm(ls, ws_)),
+            "grad_w": (ls.T, xs, torch.mm(ls.T, xs)),
+        }
+        for name, (a_, b_, expect) in cases.items():
+            for workspace in (0, 1 << 22, 4096 * 1024 * 2 + 16 * 1024 * 8, 1 << 25):
+                got = torch.full_like(expect, float("nan"))
+                first = _LtGemm(lt, got, a_, b_, 0.0, workspace, 0)
+                hits = []
+                for index in range(first.candidates):
+                    got.fill_(float("nan"))
+                    _LtGemm(lt, got, a_, b_, 0.0, workspace, index)()
+                    if torch.equal(got, expect):
+                        hits.append(index)
+                matches[f"{mm}x{hh}x{vv} {name} ws {workspace}"] = {
+                    "candidates": first.candidates,
+                    "equal": hits,
+                }
+                print(f"lt {mm}x{hh}x{vv} {name:<7} ws {workspace:>9}: {first.candidates} candidates, "
+                      f"torch's bits at {hits}", flush=True)  # fmt: skip
+    out["lt_candidates_with_torch_bits"] = matches
+    lt_calls = {
+        "mm logits [m,H]@[H,V]": _LtGemm(lt, logits, xc, wd.T, 0.0, 1 << 25, 0),
+        "mm grad_x [m,V]@[V,H]": _LtGemm(lt, gx, logits, wd, 0.0, 1 << 25, 0),
+        "mm grad_w [V,m]@[m,H]": _LtGemm(lt, gw, logits.T, xc, 0.0, 1 << 25, 0),
+        "addmm_ grad_w": _LtGemm(lt, gw, logits.T, xc, 1.0, 1 << 25, 0),
+    }
+    out["cublaslt_host_ms"] = {k: host_ms(fn, iters=30) for k, fn in lt_calls.items()}
+    for section in ("torch_host_ms", "cublas_gemm_ex_host_ms", "cublaslt_host_ms", "direct_equals_torch"):
         for k, val in out[section].items():  # type: ignore[union-attr]
             print(f"{section:<24} {k:<26} {val}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
