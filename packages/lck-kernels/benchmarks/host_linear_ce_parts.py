@@ -186,6 +186,15 @@ def main() -> None:
         by_chunks[n // tokens] = host_ms(step, iters=10)
         print(f"flce fwd+bwd, {n // tokens} chunks: {by_chunks[n // tokens]}", flush=True)
     out["flce_fwd_bwd_by_chunks"] = by_chunks
+    import torch.nn.functional as F
+
+    for name, fwd, wrt in (
+        ("lck default chunking", lambda: fused_linear_cross_entropy(x, w, t), (x, w)),
+        ("torch F.cross_entropy(x @ w.T)", lambda: F.cross_entropy(x @ w.T, t), (x, w)),
+        ("floor x * 2", lambda: (x * 2).sum(), (x,)),
+    ):
+        out[f"fwd+bwd {name}"] = host_ms(lambda f=fwd, r=wrt: torch.autograd.grad(f(), r), iters=10)
+        print(f"fwd+bwd {name}: {out[f'fwd+bwd {name}']}", flush=True)
 
     xc, wd = x.detach()[:m], w.detach()
     logits = torch.randn(m, v, device="cuda", dtype=torch.bfloat16, generator=g)
