@@ -241,17 +241,28 @@ def suite(rank: int, world: int, seed: int) -> list[str]:
         for i, case in enumerate(CASES):
             if world > case.max_world:
                 continue
-            for sync_free in (False, True):
-                where = f"{case.name} {'sync-free' if sync_free else 'synced'}"
+            # The large synced case also with its receiving half launched before the counts are read.
+            modes = [(False, None), (True, None)] + ([(False, 1 << 40)] if case.tokens >= 4096 else [])
+            for sync_free, early in modes:
+                where = f"{case.name} {'sync-free' if sync_free else 'synced'}{' early' if early else ''}"
                 cmp = Compare(rank, where)
                 args = (group, case.tokens, case.hidden, case.num_topk, E_PER_RANK * world)
                 # A generous bound: these runs check results, the stop test checks the bound.
-                nat = Buffer(*args, sync_free=sync_free, device=dev, backend="nvshmem", timeout_s=60.0)
+                nat = Buffer(
+                    *args, sync_free=sync_free, device=dev, backend="nvshmem", timeout_s=60.0,
+                    early_receive_bytes=early,
+                )  # fmt: skip
                 ref = Buffer(*args, sync_free=sync_free, device="cpu", backend="reference")
                 if nat.backend != "nvshmem" or ref.backend != "reference":
                     errors.append(f"rank {rank} {where}: backends {nat.backend}/{ref.backend}")
                 try:
-                    _round(case, nat, ref, inputs(case, world, rank, seed + 1000 * i), rank, cmp)
+                    case_inputs = inputs(case, world, rank, seed + 1000 * i)
+                    _round(case, nat, ref, case_inputs, rank, cmp)
+                    if early:  # it took the early path: recv_x is a view of storage sized for the capacity
+                        got = nat.dispatch(*(t.to(dev) for t in case_inputs[:3])).recv_x
+                        cap = nat.worst_case_tokens * case.hidden * got.element_size()
+                        if got.untyped_storage().nbytes() < cap:
+                            cmp.errors.append(f"rank {rank} {where}: recv_x storage is not capacity-sized")
                 except Exception:
                     cmp.errors.append(f"rank {rank} {where} raised:\n{traceback.format_exc()}")
                 nat.check_errors()

@@ -34,6 +34,14 @@ def _selection(rank: int, world: int) -> dict[str, Any]:
     out["bad backend"] = error_text(Buffer, g, 8, 16, 2, 4 * world, backend="nccl")
     out["bad num_sms"] = error_text(Buffer, g, 8, 16, 2, 4 * world, num_sms=0)
     out["bad timeout"] = error_text(Buffer, g, 8, 16, 2, 4 * world, timeout_s=-1.0)
+    out["bad early_receive_bytes"] = error_text(Buffer, g, 8, 16, 2, 4 * world, early_receive_bytes=-1)
+    out["bool early_receive_bytes"] = error_text(Buffer, g, 8, 16, 2, 4 * world, early_receive_bytes=True)
+    out["early_receive_bytes"] = [Buffer(g, 8, 16, 2, 4 * world, early_receive_bytes=v).early_receive_bytes
+                                  for v in (None, 0, 1 << 30)]  # fmt: skip
+    # Ranks that size the early receive differently would size their synced outputs differently.
+    out["early disagree"] = error_text(
+        Buffer, g, 8, 16, 2, 4 * world, early_receive_bytes=1 << 30 if rank == 1 else None
+    )
     # A rank that asks for another backend than its peers is refused on every rank.
     out["disagree"] = error_text(
         Buffer, g, 8, 16, 2, 4 * world, backend="nvshmem" if rank == 1 else "reference"
@@ -57,11 +65,16 @@ def test_backend_selection_and_its_errors_agree_on_every_rank() -> None:
         "bad backend": "backend must be one of 'auto', 'nvshmem', 'reference', got 'nccl'",
         "bad num_sms": "num_sms must be None or an int in [1, 1024], got 0",
         "bad timeout": "timeout_s must be a number of seconds in (0, 3600], got -1.0",
+        "bad early_receive_bytes": "early_receive_bytes must be None or an int in [0, 2**50], got -1",
+        "bool early_receive_bytes": "early_receive_bytes must be None or an int in [0, 2**50], got True",
+        "early disagree": "early_receive_bytes",
         "auto, native context on cpu": "reference",
         "nvshmem on cpu": "the native kernels move CUDA tensors, got device=cpu",
         "gloo with cuda, reference": "a gloo group moves CPU tensors, got device=cuda:0",
     }
     assert_every_rank_says(outs, want)
+    assert all(o["early_receive_bytes"] == [16 << 20, 0, 1 << 30] for o in outs), outs
+    assert len({o["early disagree"] for o in outs}) == 1, outs
     disagree = {o["disagree"] for o in outs}
     assert len(disagree) == 1, disagree
     msg = disagree.pop()

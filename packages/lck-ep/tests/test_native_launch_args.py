@@ -512,6 +512,7 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(
     buf._native, buf.device = SimpleNamespace(), torch.device("cpu")
     # outputs at capacity: 2 ranks x max_tokens_per_rank rows of 32 + 2 x 12 + 16 bytes
     buf.max_tokens_per_rank = 4 if early else _native_exchange.EARLY_RECEIVE_BYTES // 144 + 1
+    buf.early_receive_bytes = _native_exchange.EARLY_RECEIVE_BYTES
     topk_idx = torch.tensor([[0, 3], [2, -1], [1, 1]])
     plan = DispatchPlan(torch.randn(3, 8), topk_idx, None, None, 3, 2, False, 1, 0)
     monkeypatch.setattr(Buffer, "_layout", lambda self, idx: layout_reference(idx, 4, 2))
@@ -562,7 +563,8 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(
 
 def test_a_synced_dispatch_receives_early_only_when_small_and_compact() -> None:
     """``receives_early``: compact dispatches whose outputs at capacity (``W * max_tokens_per_rank`` rows of
-    recv_x and routing) fit ``EARLY_RECEIVE_BYTES``; never an expanded one."""
+    recv_x and routing) fit the Buffer's ``early_receive_bytes`` (default ``EARLY_RECEIVE_BYTES``); never an
+    expanded one; with 0, none."""
     from lck_ep import _native_exchange as nx
     from lck_ep.checks import DispatchPlan
 
@@ -570,11 +572,19 @@ def test_a_synced_dispatch_receives_early_only_when_small_and_compact() -> None:
     plan = DispatchPlan(x, torch.zeros(2, 8, dtype=torch.int64), None, None, 2, 8, False, 1, 0)
     row = 7168 * 2 + 8 * 12 + 16
     fits = nx.EARLY_RECEIVE_BYTES // (8 * row)  # tokens per rank at 8 ranks
-    assert nx.receives_early(SimpleNamespace(worst_case_tokens=8 * fits), plan)
-    assert not nx.receives_early(SimpleNamespace(worst_case_tokens=8 * (fits + 1)), plan)
+
+    def buf(tokens_per_rank: int, limit: int = nx.EARLY_RECEIVE_BYTES) -> SimpleNamespace:
+        return SimpleNamespace(worst_case_tokens=8 * tokens_per_rank, early_receive_bytes=limit)
+
+    assert nx.receives_early(buf(fits), plan)
+    assert not nx.receives_early(buf(fits + 1), plan)
     assert fits >= 128  # DeepSeek-V3's rows at 128 tokens per rank over 8 ranks take this path
+    # A Buffer that allows more: 4096 tokens per rank over 8 ranks (about 473 MB at capacity) too.
+    assert nx.receives_early(buf(4096, 8 * 4096 * row), plan)
+    assert not nx.receives_early(buf(4096, 8 * 4096 * row - 1), plan)
+    assert not nx.receives_early(buf(1, 0), plan)  # 0: never
     expanded = DispatchPlan(x, plan.topk_idx, None, None, 2, 8, True, 1, 0)
-    assert not nx.receives_early(SimpleNamespace(worst_case_tokens=8), expanded)
+    assert not nx.receives_early(buf(1, 1 << 40), expanded)
 
 
 @pytest.mark.parametrize("weights", [False, True])

@@ -31,6 +31,12 @@ MAX_TOPK = 64
 _WHERE = "Buffer"
 
 
+# Buffer(early_receive_bytes=None): a synced compact dispatch whose outputs at the Buffer's capacity take at most
+# this many bytes receives before the host reads its counts (lck_ep._native_exchange.receive_early).
+EARLY_RECEIVE_BYTES = 16 << 20
+_MAX_EARLY_RECEIVE_BYTES = 1 << 50
+
+
 class Settled(NamedTuple):
     """What a Buffer's arguments decide beyond themselves."""
 
@@ -39,6 +45,7 @@ class Settled(NamedTuple):
     num_hosts: int
     gpus_per_host: int
     backend: str  # "nvshmem" or "reference": what moves the rows
+    early_receive_bytes: int = EARLY_RECEIVE_BYTES  # the argument, None resolved to the default
 
 
 def moe_context(group: dist.ProcessGroup) -> Any:
@@ -107,9 +114,20 @@ def check_args(
     backend_choice: Any = "reference",
     num_sms: Any = None,
     timeout_s: Any = 5.0,
+    early_receive_bytes: Any = None,
 ) -> Settled:
     """Validate the construction arguments (``TypeError``/``ValueError`` naming the argument)."""
     where = _WHERE
+    if early_receive_bytes is None:
+        early_receive_bytes = EARLY_RECEIVE_BYTES
+    elif (
+        isinstance(early_receive_bytes, bool)
+        or not isinstance(early_receive_bytes, int)
+        or not 0 <= early_receive_bytes <= _MAX_EARLY_RECEIVE_BYTES
+    ):
+        raise ValueError(
+            f"{where}: early_receive_bytes must be None or an int in [0, 2**50], got {early_receive_bytes!r}"
+        )
     for name, v in (
         ("max_tokens_per_rank", max_tokens),
         ("hidden", hidden),
@@ -164,7 +182,7 @@ def check_args(
         )
     use_kernel = _choose_layout(layout, device, num_experts, num_ranks, num_topk)
     if ctx is None:
-        return Settled(use_kernel, None, 1, num_ranks, chosen)
+        return Settled(use_kernel, None, 1, num_ranks, chosen, early_receive_bytes)
     cfg = ctx.config
     for name, have, cap in (
         ("max_tokens_per_rank", max_tokens, cfg.max_tokens),
@@ -181,7 +199,7 @@ def check_args(
         )
     if ctx.size != num_ranks:
         raise ValueError(f"{where}: the MoE context has {ctx.size} ranks but group has {num_ranks}")
-    return Settled(use_kernel, ctx, int(ctx.num_hosts), int(ctx.gpus_per_host), chosen)
+    return Settled(use_kernel, ctx, int(ctx.num_hosts), int(ctx.gpus_per_host), chosen, early_receive_bytes)
 
 
 def _native_problem(

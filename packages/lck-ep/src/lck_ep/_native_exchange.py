@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lck_ep._construction import EARLY_RECEIVE_BYTES
 from lck_ep._exchange import Dispatched, expanded_fields, fresh_handle
 from lck_ep.buffer_view import BufferView
 from lck_ep.checks import CombinePlan, DispatchPlan
@@ -77,11 +78,6 @@ def _send(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> torch.
     return slots
 
 
-# A synced compact dispatch whose outputs at the Buffer's capacity take at most this many bytes receives
-# before the host reads its counts (see receive_early): its outputs are then views of capacity-sized tensors.
-EARLY_RECEIVE_BYTES = 16 << 20
-
-
 class Received(NamedTuple):
     """The receiving half of a fresh dispatch as launched: the receiver's outputs, ``recv_x`` and the expanded
     layout's fields, for ``rows`` received rows at most; ``slots`` are the send slots."""
@@ -96,14 +92,15 @@ class Received(NamedTuple):
 def receives_early(buf: BufferView, plan: DispatchPlan) -> bool:
     """Whether a synced dispatch of ``plan`` launches its receiving half before the host reads its counts:
     compact (the expanded layout at capacity is K times larger) and small, so that its outputs sized for the
-    most rows any rank may receive (``W * max_tokens_per_rank``) stay within :data:`EARLY_RECEIVE_BYTES`.
+    most rows any rank may receive (``W * max_tokens_per_rank``) stay within the Buffer's
+    ``early_receive_bytes`` (default :data:`EARLY_RECEIVE_BYTES`).
     Such calls are bound by latency, which the host's read between the halves would dominate. The same on
     every rank (the Buffer's shape and the agreed arguments)."""
     if plan.expand:
         return False
     # recv_x, then per row the routing (K int64 experts, K float32 weights), source index and rank, slot
     row = _row_bytes(plan.x) + plan.num_topk * 12 + 16
-    return buf.worst_case_tokens * row <= EARLY_RECEIVE_BYTES
+    return buf.worst_case_tokens * row <= buf.early_receive_bytes
 
 
 def receive_early(buf: BufferView, plan: DispatchPlan, layout: DispatchLayout) -> Received:

@@ -64,6 +64,7 @@ BUFFER_FIELDS = (
     "sync_free",
     "device_type",
     "native",
+    "early_receive_bytes",
 )
 OPS = {1: "dispatch", 2: "combine", 3: "__init__"}
 # BUFFER_FIELDS' "native": 0 reference, 1 native, this for a native state whose synced calls agree through the

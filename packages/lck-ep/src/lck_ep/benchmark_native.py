@@ -134,6 +134,11 @@ def _bench_shape(
     label = f"{name} T{tokens} H{hidden} K{k} E{e} x{world} PEs"
     g, x, idx, w, synced, d, free, df, sent = dispatch_shape(shape, rank, dev)
     attempt("dispatch", "lck_nvshmem", label, lambda: synced.dispatch(x, idx, w), sent)
+    # The synced dispatch receiving before the host reads its counts at any size (Buffer(early_receive_bytes=...):
+    # outputs are views of capacity-sized tensors), where the default does so only up to 16 MiB of outputs.
+    early = Buffer(group, tokens, hidden, k, e, device=dev, early_receive_bytes=1 << 40)
+    early.dispatch(x, idx, w)
+    attempt("dispatch", "lck_nvshmem_early_receive", label, lambda: early.dispatch(x, idx, w), sent)
     attempt("dispatch", "lck_nvshmem_sync_free", label, lambda: free.dispatch(x, idx, w), sent)
     attempt("dispatch_cached", "lck_nvshmem", label, lambda: synced.dispatch(x, handle=d.handle), sent)
     attempt(

@@ -21,8 +21,8 @@ combine is bit for bit reproducible, across runs and between the synced and sync
 Modes. *Synced* (default): outputs have the exact received size and the counts are host lists; one
 host synchronisation per fresh dispatch, in the count exchange, which also carries the cross-rank
 argument check (on the native backend a small compact dispatch's outputs are views of tensors sized for
-the Buffer's capacity, at most ``_native_exchange.EARLY_RECEIVE_BYTES`` in all: its kernels run before
-the counts reach the host). *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
+the Buffer's capacity, at most ``early_receive_bytes`` in all, by default
+``_native_exchange.EARLY_RECEIVE_BYTES``: its kernels run before the counts reach the host). *Sync-free* (``Buffer(..., sync_free=True)`` or ``dispatch(..., num_worst_tokens=n)``):
 outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
 first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
 ``recv_x`` are unspecified: the native backend does not write them, as DeepEP's ``num_worst_tokens``
@@ -127,6 +127,13 @@ class Buffer:
             :class:`lck_ep.native.NativeTimeoutError` (naming the rank and the phase) instead of hanging.
             Over several (virtual) hosts the dispatch receiver waits twice this, since a source of its host
             may itself wait this long on a stopped rank of another host before it publishes.
+        early_receive_bytes: on the native backend, a synced compact dispatch whose outputs at the Buffer's
+            capacity (``W * max_tokens_per_rank`` rows of ``recv_x`` and routing) take at most this many
+            bytes launches its receiving kernels before the host reads the counts, into tensors of that
+            size, and returns views narrowed to the agreed counts (the storage behind them keeps the
+            capacity). Larger calls otherwise leave the GPU idle while the host reads the counts; raising
+            this trades that gap for memory. ``None``: 16 MiB (DeepSeek-V3's rows at 128 tokens per rank
+            over 8 ranks); 0: never. The same on every rank.
 
     Validated (the same ``ValueError``/``TypeError`` on every rank): the group and its membership, the
     integer arguments and their relations, agreement of all of them across ranks, and, when the runtime
@@ -149,6 +156,7 @@ class Buffer:
         backend: str = "auto",
         num_sms: int | None = None,
         timeout_s: float = 5.0,
+        early_receive_bytes: int | None = None,
     ) -> None:
         rank, world, pg_backend = check_group(group)
         self.group, self.rank, self.num_ranks = group, rank, world
@@ -172,6 +180,7 @@ class Buffer:
                     backend,
                     num_sms,
                     timeout_s,
+                    early_receive_bytes,
                 )
                 if settled.backend == "nvshmem":
                     from lck_ep.native import NativeEp
@@ -207,6 +216,7 @@ class Buffer:
                 getattr(self._native, "signature", 1)
                 if settled is not None and settled.backend == "nvshmem"
                 else 0,
+                settled.early_receive_bytes if settled is not None else 0,
             ]
         agree(group, home, error, BUFFER_FIELDS, digest, None, 0)
         assert settled is not None
@@ -218,6 +228,7 @@ class Buffer:
             self.num_sms = num_sms or 0
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        self.early_receive_bytes = settled.early_receive_bytes
         # Synced calls agree through the native workspaces on the Buffer's device, or through the group (on _home)
         # for the reference and hybrid backends and with EP_DEVICE_AGREEMENT=0 (the same on every rank: part of
         # the construction digest above).

@@ -24,6 +24,7 @@ class BufferView(Protocol):
     sync_free: bool
     num_sms: int
     timeout_ns: int
+    early_receive_bytes: int
     _topo: Any  # lck_ep.reference.Topology
     _native: Any  # lck_ep.native.NativeEp or None
 
