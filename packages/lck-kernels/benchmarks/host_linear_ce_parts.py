@@ -32,11 +32,8 @@ import torch
 from lck_runtime.benchmarking import gpu_slug, host_ms, provenance
 
 _OP = {"n": 0, "t": 1}
-_BF16, _COMPUTE_32F, _DEFAULT_TENSOR_OP = (
-    14,
-    68,
-    99,
-)  # cudaDataType CUDA_R_16BF, cublasComputeType, cublasGemmAlgo
+# cudaDataType CUDA_R_16BF, cublasComputeType CUBLAS_COMPUTE_32F, cublasGemmAlgo CUBLAS_GEMM_DEFAULT_TENSOR_OP
+_BF16, _COMPUTE_32F, _DEFAULT_TENSOR_OP = 14, 68, 99
 
 
 def _loaded(name: str) -> ctypes.CDLL:

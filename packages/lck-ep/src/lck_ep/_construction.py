@@ -45,7 +45,7 @@ class Settled(NamedTuple):
     num_hosts: int
     gpus_per_host: int
     backend: str  # "nvshmem" or "reference": what moves the rows
-    early_receive_bytes: int = EARLY_RECEIVE_BYTES  # the argument, None resolved to the default
+    early_receive_bytes: int  # the argument, None resolved to EARLY_RECEIVE_BYTES
 
 
 def moe_context(group: dist.ProcessGroup) -> Any:

@@ -23,8 +23,8 @@ host synchronisation per fresh dispatch, in the count exchange, which also carri
 argument check (on the native backend a small compact dispatch's outputs are views of tensors sized for
 the Buffer's capacity, at most ``early_receive_bytes`` in all, 16 MiB by default: its kernels run before
 the counts reach the host). *Sync-free* (``Buffer(..., sync_free=True)`` or
-``dispatch(..., num_worst_tokens=n)``): outputs are sized by capacity (``num_worst_tokens``, default ``max_tokens_per_rank * W``), valid rows
-first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
+``dispatch(..., num_worst_tokens=n)``): outputs are sized by capacity (``num_worst_tokens``, default
+``max_tokens_per_rank * W``), valid rows first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
 ``recv_x`` are unspecified: the native backend does not write them, as DeepEP's ``num_worst_tokens``
 mode does not, since zeroing a capacity-sized output moves more bytes than the tokens do; the reference
 backend writes zeros there); counts stay on the
