@@ -332,7 +332,9 @@ def native_equals_local(rank: int, world: int, seed: int) -> list[str]:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     e, h, f, t_max, k = 8 * world, 256, 128, 256, 8
-    cfg = L.MoEConfig(max_tokens=t_max, hidden_size=h, num_experts=e, top_k=k, max_inflight=2)
+    # Workspace rows for 4 * t_max tokens per source: room for the synced layer's largest expanded layout, so
+    # that its second GEMM writes into the workspace and the combine reads there (zero-copy).
+    cfg = L.MoEConfig(max_tokens=4 * t_max, hidden_size=h, num_experts=e, top_k=k, max_inflight=2)
     if not L.configure(moe=cfg):
         return [f"rank {rank}: configure(moe=...) did not bring up the native (NVSHMEM) runtime"]
     try:
@@ -381,7 +383,23 @@ def native_equals_local(rank: int, world: int, seed: int) -> list[str]:
             with torch.no_grad():
                 m.weight1.copy_(w1[lo:hi])
                 m.weight2.copy_(w2[lo:hi])
+            in_place: list[bool] = []
+            handed_out = buf.combine_input
+
+            def spy(
+                handle: Any, dtype: torch.dtype = torch.bfloat16, handed_out: Any = handed_out, buf: Any = buf,
+                in_place: list[bool] = in_place,
+            ) -> Any:  # fmt: skip
+                z = handed_out(handle, dtype)
+                in_place.append(buf._native.takes_in_place(z, handle))
+                return z
+
+            buf.combine_input = spy
             got = run(m, *per_rank[rank])
+            if in_place != [
+                not sync_free
+            ]:  # the forward's combine only; the backward's has no GEMM writing it
+                errors.append(f"rank {rank} sync_free={sync_free}: zero-copy combine inputs {in_place}")
             for name, ref in want.items():
                 scale = max(1.0, float(ref.abs().max()))
                 err = float((got[name].double() - ref.double()).abs().max())

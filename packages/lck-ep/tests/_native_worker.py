@@ -185,6 +185,13 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
     )
     cer, _ = ref.combine(ye.cpu(), er.handle, topk_weights=er.recv_topk_weights, bias=bias or None)
     cmp("expanded weighted combine", cen, cer)
+    # the same from the zero-copy input (synced, where the largest expanded layout fits the workspace): each
+    # source reduces its tokens' expanded rows where their experts wrote them
+    _expanded_zero_copy(
+        case, nat, en.handle, ye, (en.recv_topk_weights, er.recv_topk_weights), bias, cer, rank, cmp
+    )
+    cr_plain, _ = ref.combine(ye.cpu(), er.handle)
+    _expanded_zero_copy(case, nat, en.handle, ye, None, (), cr_plain, rank, cmp)
     # an expanded handle replayed: the rows go straight to their expanded places
     ren = nat.dispatch(x2.to(dev), handle=en.handle)
     rer = ref.dispatch(x2, handle=er.handle)
@@ -219,6 +226,43 @@ def _round(case: Case, nat: Any, ref: Any, data: tuple[torch.Tensor, ...], rank:
         c4n, _ = nat.combine(z4, dn4.handle)
         c4r, _ = ref.combine(y4.cpu(), dr4.handle)
         cmp("dropped: zero-copy combine", c4n, c4r)
+
+
+def _expanded_zero_copy(
+    case: Case,
+    nat: Any,
+    handle: Any,
+    ye: torch.Tensor,
+    weights: Any,
+    bias: tuple[torch.Tensor, ...],
+    want: torch.Tensor,
+    rank: int,
+    cmp: Compare,
+) -> None:
+    """An expanded combine from ``Buffer.combine_input``: in place exactly where the handle's largest expanded
+    layout and its maps fit the workspace (synced only; the bound the same on every rank), equal to the
+    reference's either way. ``weights``: (native, reference) routing weights, or None."""
+    import torch.distributed as dist
+
+    from lck_ep.native import expanded_tables
+
+    st = nat._native
+    most = handle.most_expanded_rows
+    if nat.sync_free:
+        cmp("sync-free: most_expanded_rows", most, None)
+        fits = False
+    else:
+        every = [None] * nat.num_ranks
+        dist.all_gather_object(every, handle.num_expanded_rows)
+        cmp("most_expanded_rows is the largest rank's", most, max(every))
+        tables = expanded_tables(most, case.hidden * ye.element_size(), nat.worst_case_tokens, case.num_topk)
+        fits = st.zero_copy_combine and case.num_topk <= 32 and tables.end <= st._table_offset
+    z = nat.combine_input(handle, dtype=ye.dtype)
+    cmp("expanded combine_input in place", st.takes_in_place(z, handle), fits)
+    z.copy_(ye)
+    kw = dict(topk_weights=weights[0]) if weights is not None else {}
+    got, _ = nat.combine(z, handle, bias=tuple(b.to(nat.device) for b in bias) or None, **kw)
+    cmp(f"zero-copy expanded {'weighted ' if weights is not None else ''}combine", got, want)
 
 
 def reference_send_slots(mask: torch.Tensor) -> torch.Tensor:

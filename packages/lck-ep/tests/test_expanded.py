@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lck_ep.expanded import build_expanded, expanded_capacity, gather_expanded, reduce_expanded
+from lck_ep.expanded import (
+    build_expanded,
+    expanded_capacity,
+    gather_expanded,
+    most_expanded_rows,
+    padded_offsets,
+    reduce_expanded,
+)
 
 
 def _recv_idx(n: int, k: int, num_local: int, g: torch.Generator, p_local: float = 0.5) -> torch.Tensor:
@@ -98,3 +105,16 @@ def test_reduce_is_the_fixed_order_float32_sum(dtype, weighted) -> None:
     assert not torch.isnan(got).any()
     tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(got.double(), ref64, atol=tol * max(1.0, ref64.abs().max().item()), rtol=tol)
+
+
+def test_most_expanded_rows_is_the_largest_ranks_padded_layout() -> None:
+    # 3 sources, 2 ranks of 2 experts: totals per expert 5, 0 | 9, 1
+    per_expert = torch.tensor([[1, 0, 4, 0], [4, 0, 0, 1], [0, 0, 5, 0]])
+    assert most_expanded_rows(per_expert, 2, 1) == 10  # rank 1: 9 + 1
+    assert most_expanded_rows(per_expert, 2, 4) == 16  # rank 0: 8 + 0, rank 1: 12 + 4
+    assert most_expanded_rows(per_expert, 2, 8) == 24  # rank 0: 8, rank 1: 16 + 8
+    assert most_expanded_rows(torch.zeros(2, 4, dtype=torch.int64), 2, 16) == 0
+    # as build_expanded pads each rank's own counts
+    for rank in range(2):
+        counts = per_expert.sum(0)[2 * rank : 2 * rank + 2]
+        assert int(padded_offsets(counts, 8)[-1]) <= most_expanded_rows(per_expert, 2, 8)

@@ -156,6 +156,79 @@ def test_expanded_handle_fields_of_a_native_dispatch() -> None:
     assert torch.equal(fields["recv_expanded_index"], torch.full((4, 3), 2))
 
 
+def test_expanded_tables_sit_after_the_most_rows_alike_on_every_rank() -> None:
+    from lck_ep.native import expanded_tables
+
+    t = expanded_tables(most_rows=10, row_bytes=200, most_received=7, num_topk=3)
+    assert t.index_offset == 2000 and t.index_offset % 16 == 0
+    assert t.weights_offset == 2000 + 96 and t.weights_offset % 16 == 0  # 7 * 3 int32 = 84 -> 96
+    assert t.end == t.weights_offset + 84
+    # depends on nothing a rank holds alone (its own rows or received rows): the same offsets everywhere
+    assert expanded_tables(10, 200, 7, 3) == t
+    odd = expanded_tables(most_rows=3, row_bytes=14, most_received=1, num_topk=1)
+    assert odd.index_offset == 48 and odd.weights_offset == 64 and odd.end == 68
+
+
+def test_a_zero_copy_expanded_combine_publishes_its_maps_and_reduces_on_the_sources(monkeypatch) -> None:
+    """The host side of a zero-copy combine of an expanded handle, kernels stubbed: the received rows' maps go
+    into the workspace at the tables' offsets, nothing is sent, and the sources' launch gets the tables."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from lck_ep import _native_exchange
+    from lck_ep.checks import CombinePlan
+    from lck_ep.native import expanded_tables
+
+    calls: dict = {}
+
+    class _State:
+        armed = None
+
+        def raise_if_failed(self) -> None:
+            pass
+
+        def takes_in_place(self, x, handle) -> bool:
+            return True
+
+        def send_partials(self, *a, **k) -> None:
+            calls["sent"] = True
+
+        def send_expanded_partials(self, *a, **k) -> None:
+            calls["sent"] = True
+
+        def publish_expanded_maps(self, index, weights, tables) -> None:
+            calls["maps"] = (index, weights, tables)
+
+        def reduce_partials(self, partial, starts, out, mask, slot, bias, num_sms, timeout_ns, **kw) -> None:
+            calls["reduce"] = (partial, kw)
+            out.fill_(1.0)
+
+    n, k, m, h = 5, 3, 11, 8
+    handle = SimpleNamespace(
+        expand=True, recv_expanded_index=torch.zeros(n, k, dtype=torch.int64), most_expanded_rows=16,
+        num_topk=k, recv_counts_device=None, recv_starts=None, num_tokens=4, is_token_in_rank=None,
+        send_slot=None, sync_free=False,
+    )  # fmt: skip
+    buf = SimpleNamespace(
+        _native=_State(), device=torch.device("cpu"), hidden=h, num_sms=3, timeout_ns=1, worst_case_tokens=6
+    )
+    x = torch.randn(m, h, dtype=torch.bfloat16)
+    w = torch.rand(n, k)
+    plan = CombinePlan(x=x, handle=handle, topk_weights=w, bias=())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU stand-in
+    out = _native_exchange.combine(buf, plan)
+    assert "sent" not in calls  # the rows stay where the experts wrote them
+    index, weights, tables = calls["maps"]
+    assert index is handle.recv_expanded_index and torch.equal(weights, w)
+    assert tables == expanded_tables(16, h * 2, 6, k)
+    partial, kw = calls["reduce"]
+    assert partial.data_ptr() == x.data_ptr() and kw["pull"] is True
+    assert kw["expanded"] == (tables, n, k, True)
+    assert out.shape == (4, h) and out.dtype == torch.bfloat16
+
+
 def test_warmup_compiles_every_native_kernel(capsys: Any) -> None:
     """Built into the run's shared EP_JIT_CACHE_DIR, so later tests load instead of compiling again."""
     from pathlib import Path

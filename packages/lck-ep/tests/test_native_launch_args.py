@@ -266,7 +266,31 @@ def test_native_reduce_partials_arguments(num_bias: int, dtype: torch.dtype, cod
         assert_launch(launch, call, blocks, [
             partial, I64(6), starts, ep.workspace, ep.signals, I64(1 << 20), I64(4608), mask, slot, b0, b1, out,
             I32(5), I32(16), I32(4), I32(1), I32(stage), I32(code), ep.done[3:4], ep.status, U64(13),
-            ep.peer_ws, ep.peer_sig, I64((4 << 20) - 32), I32(0),
+            ep.peer_ws, ep.peer_sig, I64((4 << 20) - 32), I32(0), I64(0), I64(0), I32(0), I32(0),
+        ])  # fmt: skip
+
+
+def test_native_reduce_partials_arguments_of_a_zero_copy_expanded_combine() -> None:
+    """The sources' launch of an expanded handle's zero-copy combine: mode 2, the tables' offsets, K and
+    whether the rows are weighted; the received rows (not the input's expanded rows) bound the table."""
+    from lck_ep.native import expanded_tables
+
+    ep = _state(NativeEp)
+    x, starts = torch.randn(9, 16).to(torch.bfloat16), torch.zeros(5, dtype=torch.int64)
+    out, mask, slot = (
+        torch.zeros(5, 16, dtype=torch.bfloat16),
+        torch.rand(5, 4) > 0.5,
+        torch.zeros(5, 4).long(),
+    )
+    tables = expanded_tables(12, 32, 20, 3)
+    ep.reduce_partials(x, starts, out, mask, slot, (), 8, 13, pull=True, expanded=(tables, 6, 3, False))
+    launch = ep.launchers["ep_combine_recv"]
+    for call, (stage, blocks) in enumerate(((0, 1), (1, 132))):
+        assert_launch(launch, call, blocks, [
+            x, I64(6), starts, ep.workspace, ep.signals, I64(1 << 20), I64(4608), mask, slot, Ptr(0), Ptr(0),
+            out, I32(5), I32(16), I32(4), I32(1), I32(stage), I32(0), ep.done[3:4], ep.status, U64(13),
+            ep.peer_ws, ep.peer_sig, I64((4 << 20) - 32), I32(2), I64(tables.index_offset),
+            I64(tables.weights_offset), I32(3), I32(0),
         ])  # fmt: skip
 
 
@@ -304,7 +328,7 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
     out = _native_exchange.combine(buf, CombinePlan(x, h, None, ()))
     assert out.shape == (5, 16) and ep.armed is None  # one combine per combine_input
     recv = ep.launchers["ep_combine_recv"].calls
-    assert len(recv) == 2 and all(v[-1] == int(zero_copy) for _, v in recv)
+    assert len(recv) == 2 and all(v[-5] == int(zero_copy) for _, v in recv)
     assert len(ep.launchers["ep_combine_send"].calls) == int(not zero_copy) and len(launch.calls) == 1
     assert combine_input_view_reused(ep, h, y)
     # a rank that received no rows combines in place too (its peers pull): an empty input has no address
@@ -533,9 +557,12 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(
         order.append("receive_early")
         return "received"
 
-    def dispatch(b: Any, p: Any, layout: Any, counts: Any, sent: Any, received: Any) -> tuple[Any, ...]:
+    def dispatch(
+        b: Any, p: Any, layout: Any, counts: Any, sent: Any, received: Any, most_expanded: Any
+    ) -> tuple[Any, ...]:
         order.append("dispatch")
         assert counts == ([2, 2], [3, 2], [3, 3])  # per local expert: columns 2 and 3
+        assert most_expanded is None  # compact: no expanded layout to bound
         assert (sent, received) == ((None, "received") if early else ("sent", None))
         return torch.zeros(5, 8), None, None, None
 
@@ -559,6 +586,21 @@ def test_a_fresh_synced_dispatch_sends_before_it_reads_the_counts(
         with pytest.raises(ValueError, match="refused"):
             Buffer._dispatch_synced(buf, DispatchPlan(plan.x, idx, None, None, 3, 2, False, 1, 0), None)
         assert order == []
+    # expanded: the most expanded rows on any rank, from every source's counts per expert in the table
+    # (totals 3, 1 | 3, 3; at alignment 2 the ranks hold 4 + 2 and 4 + 4 rows)
+    got: list[Any] = []
+
+    def expanded(
+        b: Any, p: Any, layout: Any, counts: Any, sent: Any, received: Any, most_expanded: Any
+    ) -> Any:
+        got.append(most_expanded)
+        return torch.zeros(5, 8), None, None, None
+
+    monkeypatch.setattr(Buffer, "_agree", lambda self, *args: Agreement(lambda: table, deferred=True))
+    monkeypatch.setattr(_native_exchange, "dispatch", expanded)
+    monkeypatch.setattr(_native_exchange, "receives_early", lambda b, p: False)
+    Buffer._dispatch_synced(buf, DispatchPlan(plan.x, topk_idx, None, None, 3, 2, True, 2, 0), None)
+    assert got == [8]
 
 
 def test_a_synced_dispatch_receives_early_only_when_small_and_compact() -> None:

@@ -24,7 +24,7 @@ from lck_ep.expanded import ExpandedMaps, expanded_capacity
 from lck_ep.handle import DispatchHandle
 from lck_ep.host_copy import to_device
 from lck_ep.layout import DispatchLayout
-from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows
+from lck_ep.native import NativeEp, OutgoingPartials, OutgoingRows, expanded_tables
 
 __all__ = [
     "EARLY_RECEIVE_BYTES",
@@ -156,11 +156,13 @@ def dispatch(
     counts: tuple[list[int], list[int], list[int]] | None,
     slots: torch.Tensor | None = None,
     received: Received | None = None,
+    most_expanded: int | None = None,
 ) -> Dispatched:
     """A fresh dispatch; ``counts`` = (send, receive, per local expert) in synced mode, None sync-free;
     ``slots``: :func:`send` already launched the sending half and returned these (else it is launched here);
     ``received``: :func:`receive_early` already launched both halves (synced), whose outputs are narrowed
-    here to the received count."""
+    here to the received count; ``most_expanded``: a synced expanded dispatch's most expanded rows on any
+    rank (the handle's ``most_expanded_rows``)."""
     assert plan.topk_idx is not None
     dev = buf.device
     rows = sum(counts[1]) if counts is not None else plan.num_worst_tokens
@@ -185,6 +187,7 @@ def dispatch(
             num_recv_tokens=rows,
             num_recv_tokens_per_expert=to_device(per_local, torch.int32, dev),
             num_recv_tokens_per_expert_list=per_local,
+            most_expanded_rows=most_expanded,
         )
     else:
         mode = dict(
@@ -270,14 +273,22 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
     with torch.cuda.device(buf.device):
         index = h.recv_expanded_index if h.expand else None
         assert index is not None or not h.expand
-        if index is None:
+        if index is None or in_place:
             partial = plan.x.contiguous()
         else:
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
         sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
-        # A zero-copy input stays where it is: the receiver's waiting launch publishes where its rows are.
+        expanded = None
+        # A zero-copy input stays where it is: the receiver's waiting launch publishes where its rows are (and
+        # an expanded handle's maps, copied beside them, which its sources reduce the rows with).
         if index is None and not in_place:
             st.send_partials(sent, buf.num_sms, buf.timeout_ns)
+        elif index is not None and in_place:
+            w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
+            row = plan.x.shape[1] * plan.x.element_size()
+            tables = expanded_tables(h.most_expanded_rows, row, buf.worst_case_tokens, h.num_topk)
+            st.publish_expanded_maps(index, w, tables)
+            expanded = (tables, index.shape[0], h.num_topk, w is not None)
         elif index is not None:
             w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
             if st.fuses_expanded_combine:  # reduced into the sources' regions, own rows into partial
@@ -297,5 +308,6 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             buf.num_sms,
             buf.timeout_ns,
             pull=in_place,
+            expanded=expanded,
         )
     return out

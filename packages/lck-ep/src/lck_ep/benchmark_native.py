@@ -37,7 +37,11 @@ def bench_rank(rank: int, world: int, iters: int, with_reference: bool) -> list[
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
-    cap = max(s[1] for s in SHAPES)
+    # Workspace rows for 9/8 of the most tokens per PE: room for a synced expanded dispatch's largest layout
+    # (top-8 over 8 PEs holds about 6% more expanded rows than tokens per PE, with alignment 128) and its
+    # maps, so that its combine can take the zero-copy input (Buffer.combine_input). The Buffers' own
+    # capacities are the shapes' tokens.
+    cap = max(s[1] for s in SHAPES) * 9 // 8
     _, _, hmax, kmax, experts = SHAPES[0]
     if not L.configure(moe=L.MoEConfig(max_tokens=cap, hidden_size=hmax, num_experts=experts, top_k=kmax)):
         raise RuntimeError("the native runtime did not come up (NVSHMEM unavailable)")
@@ -185,6 +189,25 @@ def _bench_shape(
     attempt("combine", "lck_nvshmem_sync_free_zero_copy", label, zero_copy, sent)
     combine_expanded = lambda: free.combine(de.recv_x, de.handle, topk_weights=de.recv_topk_weights)
     attempt("combine_expanded", "lck_nvshmem_sync_free", label, combine_expanded, sent)
+    # Synced expanded: the dispatch, its combine pushed, and its combine from the zero-copy input (the expert
+    # outputs written into the workspace, each source reducing its tokens' rows there), when that fits.
+    synced_expanded = lambda: synced.dispatch(x, idx, w, expand=True, expert_alignment=128)
+    attempt("dispatch_expanded", "lck_nvshmem", label, synced_expanded, sent)
+    se = synced_expanded()
+    weights = se.recv_topk_weights
+    attempt(
+        "combine_expanded", "lck_nvshmem", label, lambda: synced.combine(se.recv_x, se.handle, weights), sent
+    )
+    z = synced.combine_input(se.handle)
+    z.copy_(se.recv_x)
+    if synced._native.takes_in_place(z, se.handle):  # the same verdict on every PE
+
+        def expanded_zero_copy() -> Any:
+            return synced.combine(synced.combine_input(se.handle), se.handle, weights)
+
+        attempt("combine_expanded", "lck_nvshmem_zero_copy", label, expanded_zero_copy, sent)
+    else:
+        synced.combine(z, se.handle, weights)
     # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:
     # Under MPS the multiprocessor count this process reads is already its share of the GPU.
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

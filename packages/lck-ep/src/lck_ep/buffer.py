@@ -67,10 +67,11 @@ from lck_ep.checks import (
     check_tensor,
 )
 from lck_ep.events import Event
+from lck_ep.expanded import most_expanded_rows
 from lck_ep.handle import DispatchHandle
 from lck_ep.knobs import current_knobs
 from lck_ep.layout import DispatchLayout, get_dispatch_layout
-from lck_ep.native import DEFAULT_NUM_SMS, NATIVE_DTYPES, row_fits
+from lck_ep.native import DEFAULT_NUM_SMS, EXPANDED_ZERO_COPY_TOPK, NATIVE_DTYPES, expanded_tables, row_fits
 
 __all__ = ["Buffer", "CombineOutput", "DispatchOutput"]
 
@@ -512,7 +513,10 @@ class Buffer:
         per_local = table[:, mine : mine + big_l].sum(0).tolist()
         if self._native is not None:
             counts = (send_counts, recv_counts, per_local)
-            got = _native_exchange.dispatch(self, plan, layout, counts, slots, early)
+            most = None
+            if plan.expand:  # every rank's expanded rows from the same table: a bound alike everywhere
+                most = most_expanded_rows(table[:, 1 + w : 1 + w + e], w, plan.expert_alignment)
+            got = _native_exchange.dispatch(self, plan, layout, counts, slots, early, most_expanded=most)
         else:
             got = _exchange.dispatch_synced(self, plan, layout, send_counts, recv_counts, per_local)
         return DispatchOutput(self._unpacked(got[0], given), *got[1:], Event(self.device))
@@ -556,16 +560,19 @@ class Buffer:
         as :meth:`combine`'s ``x`` (``rows``: one per received row, or per expanded row for an expanded
         handle). Not collective.
 
-        On the native scale-up backend, for a compact handle, it is this rank's symmetric workspace: the
-        combine's sources read the rows where they were written instead of this rank copying them to
-        each source (zero-copy, about half the bytes the combine moves). It is handed out once every rank
-        has finished reading the last dispatch or combine (a wait ordered on the current stream before
-        whatever writes the rows) and stays valid until the next dispatch or combine of this group, which
-        overwrites it; every rank's combine must then take its input this way (a rank combining a plain
-        tensor instead makes every rank raise). Elsewhere (reference or hybrid backend, expanded handles,
-        rows that would not fit the workspace at the Buffer's capacity, ``max_tokens_per_rank * W`` rows, as
-        float32 rows of a wide hidden size may not, alike on every rank) it is a new tensor and
-        :meth:`combine` copies as usual.
+        On the native scale-up backend it is this rank's symmetric workspace: the combine's sources read
+        the rows where they were written instead of this rank copying them to each source (zero-copy, about
+        half the bytes the combine moves; for an expanded handle each source also reduces its tokens' expanded
+        rows itself, reading each once). It is handed out once every rank has finished reading the last
+        dispatch or combine (a wait ordered on the current stream before whatever writes the rows) and stays
+        valid until the next dispatch or combine of this group, which overwrites it; every rank's combine must
+        then take its input this way (a rank combining a plain tensor instead makes every rank raise).
+        Elsewhere it is a new tensor and :meth:`combine` copies as usual, alike on every rank: on the
+        reference or hybrid backend; for a compact handle whose rows would not fit the workspace at the
+        Buffer's capacity (``max_tokens_per_rank * W`` rows, as float32 rows of a wide hidden size may not);
+        for an expanded handle that is sync-free, has more than 32 slots, or whose largest expanded layout on
+        any rank (with each received row's maps) does not fit, as at ``top_k`` near the group size unless the
+        ``MoEConfig``'s ``max_tokens`` leaves room above ``max_tokens_per_rank``.
         """
         handle = check_handle(self, handle, where="combine_input")
         if dtype not in X_DTYPES:
@@ -573,13 +580,19 @@ class Buffer:
             raise TypeError(f"combine_input: dtype must be one of {names}, got {dtype}")
         rows = handle.num_rows_in
         st = self._native
-        if st is not None and st.zero_copy_combine and not handle.expand:
-            st.raise_if_failed()
-            with torch.cuda.device(self.device):
-                most = self.num_ranks * self.max_tokens_per_rank  # rows any rank may receive
-                view = st.combine_input(handle, rows, self.hidden, dtype, self.timeout_ns, most)
-            if view is not None:
-                return view
+        if st is not None and st.zero_copy_combine:
+            most, tables = self.worst_case_tokens, None  # rows any rank may receive
+            if handle.expand:  # the most expanded rows on any rank, and their maps after them
+                most = handle.most_expanded_rows
+                if most is not None and handle.num_topk <= EXPANDED_ZERO_COPY_TOPK:
+                    row = self.hidden * dtype.itemsize
+                    tables = expanded_tables(most, row, self.worst_case_tokens, handle.num_topk)
+            if not handle.expand or tables is not None:
+                st.raise_if_failed()
+                with torch.cuda.device(self.device):
+                    view = st.combine_input(handle, rows, self.hidden, dtype, self.timeout_ns, most, tables)
+                if view is not None:
+                    return view
         return torch.empty(rows, self.hidden, dtype=dtype, device=self.device)
 
     def _check_zero_copy(self, plan: CombinePlan) -> None:

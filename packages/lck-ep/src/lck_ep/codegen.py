@@ -208,9 +208,10 @@ _NATIVE_BODIES = {
     long long* my_sig, long long region_bytes, long long row_stride, const bool* mask, const long long* send_slot, const void* bias0, const void* bias1, void* out,
     int num_tokens, int hidden, int num_ranks, int me, int stage, int dtype, unsigned int* done,
     long long* status, unsigned long long timeout_ns, const long long* peer_ws, const long long* peer_sig,
-    long long table_offset, int pull""",
+    long long table_offset, int pull, long long index_offset, long long weights_offset, int num_topk, int weighted""",
         """lck_ep::CombineRecvArgs a{partial, valid_rows, recv_starts, ws, my_sig, region_bytes, row_stride, mask, send_slot, bias0, bias1, out,
-        num_tokens, hidden, num_ranks, me, stage, done, status, timeout_ns, peer_ws, peer_sig, table_offset, pull};
+        num_tokens, hidden, num_ranks, me, stage, done, status, timeout_ns, peer_ws, peer_sig, table_offset, pull,
+        index_offset, weights_offset, num_topk, weighted};
     // 0: bf16, 1: fp16, 2: fp32 (lck_ep.native)
     if (dtype == 0) lck_ep::combine_recv<__nv_bfloat16>(a);
     else if (dtype == 1) lck_ep::combine_recv<__half>(a);

@@ -21,7 +21,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ExpandedMaps", "build_expanded", "expanded_capacity", "gather_expanded", "reduce_expanded"]
+__all__ = [
+    "ExpandedMaps",
+    "build_expanded",
+    "expanded_capacity",
+    "gather_expanded",
+    "most_expanded_rows",
+    "reduce_expanded",
+]
 
 
 class ExpandedMaps(NamedTuple):
@@ -35,6 +42,15 @@ class ExpandedMaps(NamedTuple):
 def expanded_capacity(num_rows: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
     """Worst-case expanded rows: every slot of every row local, every segment maximally padded."""
     return num_rows * num_topk + num_local_experts * (alignment - 1)
+
+
+def most_expanded_rows(per_expert: torch.Tensor, num_ranks: int, alignment: int) -> int:
+    """The most expanded rows any rank holds: ``per_expert`` ``[S, E]`` (every source's entries per global
+    expert, as a synced dispatch's agreement gathers them; rank ``d`` hosts experts ``[d * L, (d + 1) * L)``),
+    each rank's segments padded to ``alignment`` and summed."""
+    totals = per_expert.sum(0).view(num_ranks, -1)
+    padded = torch.div(totals + (alignment - 1), alignment, rounding_mode="floor") * alignment
+    return int(padded.sum(1).max()) if totals.numel() else 0
 
 
 def expert_counts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:

@@ -89,6 +89,9 @@ class DispatchHandle:
     expanded_slot: torch.Tensor | None = None
     recv_expanded_index: torch.Tensor | None = None
     num_expanded_rows: int | None = None
+    # native synced expanded handles: the most expanded rows any rank holds for this routing (the same on every
+    # rank), which sizes Buffer.combine_input's zero-copy input alike everywhere; None elsewhere
+    most_expanded_rows: int | None = None
     # which backend moved the rows, and what the native one replays and combines with
     backend: str = "reference"
     recv_counts_device: torch.Tensor | None = None  # [W] int64 rows received from each source

@@ -49,13 +49,16 @@ from lck_runtime.symmetric import moe_agreement_offset, moe_agreement_slot_words
 __all__ = [
     "AGREE_HEAD",
     "DEFAULT_NUM_SMS",
+    "EXPANDED_ZERO_COPY_TOPK",
     "NATIVE_DTYPES",
+    "ExpandedTables",
     "NativeEp",
     "NativeTimeoutError",
     "bind_kernels",
     "build_native_kernels",
     "compile_native_kernels",
     "device_agreement_requested",
+    "expanded_tables",
     "native_problem",
     "row_layout",
     "rows_head",
@@ -158,6 +161,31 @@ def row_layout(max_tokens: int, hidden_size: int, top_k: int) -> RowLayout:
     """The workspace geometry of a context's ``MoEConfig`` (its row as the runtime sized it)."""
     row = (hidden_size * 2 + top_k * 12 + 15) // 16 * 16
     return RowLayout(row, max_tokens * row, max_tokens)
+
+
+# Slots per received row a zero-copy input of an expanded handle takes: one warp lane lists each of a token's
+# expanded rows (combine.cuh's reduce_token_expanded).
+EXPANDED_ZERO_COPY_TOPK = 32
+
+
+@dataclass(frozen=True)
+class ExpandedTables:
+    """Where a zero-copy input of an expanded handle puts things in each member's workspace: its expanded rows
+    from the start, then per received row its ``K`` expanded indices (int32) and routing weights (float32),
+    placed after the most rows any member holds and sized for the most rows any member receives, so that every
+    member's are at the same offsets. ``end``: the bytes all of it takes."""
+
+    index_offset: int
+    weights_offset: int
+    end: int
+
+
+def expanded_tables(most_rows: int, row_bytes: int, most_received: int, num_topk: int) -> ExpandedTables:
+    """The :class:`ExpandedTables` of ``most_rows`` expanded rows of ``row_bytes`` bytes (the most of any
+    member: the handle's ``most_expanded_rows``) and ``most_received`` received rows of ``num_topk`` slots."""
+    index = (most_rows * row_bytes + 15) // 16 * 16
+    weights = index + (most_received * num_topk * 4 + 15) // 16 * 16
+    return ExpandedTables(index, weights, weights + most_received * num_topk * 4)
 
 
 def meta_offset(row_bytes: int) -> int:
@@ -769,22 +797,32 @@ class NativeEp:
 
     # -- zero-copy combine -----------------------------------------------------------------------------
     def combine_input(
-        self, handle: Any, rows: int, hidden: int, dtype: torch.dtype, timeout_ns: int, max_rows: int
+        self,
+        handle: Any,
+        rows: int,
+        hidden: int,
+        dtype: torch.dtype,
+        timeout_ns: int,
+        max_rows: int,
+        tables: ExpandedTables | None = None,
     ) -> Any:
         """``[rows, hidden]`` of ``dtype`` at the start of this member's workspace, for ``handle``'s expert
         outputs, once every member has finished reading the last operation (a one-block wait, stream-ordered
         before whatever writes the rows); None where ``dtype`` is not one combine sums or ``max_rows`` (the
-        most any member can receive) would not fit before the table: a bound the same on every member, so
-        that they all take the same way. Arms the combine of ``handle`` to read them there
-        (:meth:`reduce_partials`)."""
+        most any member can hold) would not fit before the table, with an expanded handle's ``tables`` after
+        them: bounds the same on every member, so that they all take the same way. Arms the combine of
+        ``handle`` to read them there (:meth:`reduce_partials`)."""
         key = (rows, hidden, dtype)
         view = self._views.get(key)
-        if view is None:
+        if view is None or tables is not None:
             if dtype not in _COMBINE_CODES:
                 return None
             size = dtype.itemsize
             if max(rows, max_rows) * hidden * size > self._table_offset:
                 return None
+            if tables is not None and tables.end > self._table_offset:
+                return None
+        if view is None:
             view = self._views[key] = self.workspace[: rows * hidden * size].view(dtype).view(rows, hidden)
         self.launchers["ep_combine_zero_copy"](
             1, [self._peer_sig, self.size, self.me, self._status, timeout_ns]
@@ -804,6 +842,21 @@ class NativeEp:
             return True
         return self._ws <= x.data_ptr() < self._ws + self.workspace.numel()
 
+    def publish_expanded_maps(
+        self, index: torch.Tensor, weights: torch.Tensor | None, tables: ExpandedTables
+    ) -> None:
+        """Copy an expanded handle's ``[N, K]`` index (as int32) and routing weights into this member's
+        workspace at ``tables``' offsets, where the sources of a zero-copy combine read them (stream-ordered
+        before the combine's waiting launch, which publishes them with the rows)."""
+        n, k = index.shape
+        if n == 0:
+            return
+        ws = self.workspace
+        ws[tables.index_offset : tables.index_offset + n * k * 4].view(torch.int32).view(n, k).copy_(index)
+        if weights is not None:
+            at = tables.weights_offset
+            ws[at : at + n * k * 4].view(torch.float32).view(n, k).copy_(weights)
+
     def reduce_partials(
         self,
         partial: torch.Tensor,
@@ -815,14 +868,18 @@ class NativeEp:
         num_sms: int,
         timeout_ns: int,
         pull: bool = False,
+        expanded: tuple[ExpandedTables, int, int, bool] | None = None,
     ) -> None:
         """Wait for every member's partial rows and sum each token's in the reference order into ``out``;
         ``pull``: a zero-copy combine, where every member's rows stay in its own workspace (``partial`` here):
-        the waiting launch first publishes where this member's are, then reads the others' there."""
+        the waiting launch first publishes where this member's are, then reads the others' there.
+        ``expanded``: a zero-copy combine of an expanded handle, ``(tables, received rows, K, weighted)``:
+        every member's expanded rows and maps are in its workspace (:meth:`publish_expanded_maps`), and each
+        source reduces its tokens' rows there, member by member, in the reference order."""
         lay = self.layout
         head = [
             partial.data_ptr(),
-            partial.shape[0],
+            expanded[1] if expanded is not None else partial.shape[0],
             recv_starts.data_ptr(),
             self._ws,
             self._sig,
@@ -839,7 +896,12 @@ class NativeEp:
             self.me,
         ]
         tail = [_COMBINE_CODES[out.dtype], self._done[3], self._status, timeout_ns]
-        tail += [self._peer_ws, self._peer_sig, self._table_offset, int(pull)]
+        tail += [self._peer_ws, self._peer_sig, self._table_offset]
+        if expanded is not None:
+            tables, _, k, weighted = expanded
+            tail += [2, tables.index_offset, tables.weights_offset, k, int(weighted)]
+        else:
+            tail += [int(pull), 0, 0, 0, 0]
         launch = self.launchers["ep_combine_recv"]
         # Stage 0 waits (one block spins), stage 1 sums on every SM: see combine.cuh.
         launch(1, [*head, 0, *tail])

@@ -96,7 +96,11 @@ struct CombineRecvArgs {
   const long long* peer_ws;    // [W] every member's workspace as mapped here
   const long long* peer_sig;   // [W] every member's signal words as mapped here
   long long table_offset;      // where a zero-copy combine's table sits in every workspace
-  int pull;                    // 1: a zero-copy combine (read the members' rows where they wrote them)
+  int pull;                    // 1: a zero-copy combine (read the members' rows where they wrote them);
+                               // 2: the same of an expanded handle (expanded rows, read with their maps)
+  long long index_offset;      // pull 2: where every member's [N, K] int32 expanded index sits in its workspace
+  long long weights_offset;    // pull 2: and its [N, K] float32 routing weights (when weighted)
+  int num_topk, weighted;      // pull 2: K, and whether each expanded row is multiplied by its slot's weight
 };
 
 // A zero-copy combine's publication, by the receiver's waiting block before it waits: write where each
@@ -268,6 +272,125 @@ __device__ inline void reduce_token(const CombineRecvArgs& a, long long t, int l
                                           a.hidden, lane);
 }
 
+// Token t's output from a zero-copy combine of an expanded handle (pull 2): every member it went to (ascending)
+// holds, at the start of its workspace, the expanded rows its experts wrote, and after them its expanded index
+// and routing weights per received row (Buffer.combine_input, _native_exchange.combine). Member d's partial is
+// the float32 sum from +0.0, over the slots of the token's row there in ascending order whose index is set, of
+// [w *] row, rounded once to T (lck_ep.expanded.reduce_expanded's order); the output sums the partials from
+// +0.0 in member order, then the biases, rounded once: the bits of the reduce-then-push combine. The token's
+// expanded rows (at most K <= 32, one per slot) are listed first, lane j holding the j-th in (member, slot)
+// order and bit j of `ends` marking the last of a member's, so that every element pass reads the list by
+// shuffles; up to kGroup rows load before any is added.
+template <typename T, int kVec, int kSpan, int kGroup>
+__device__ inline void reduce_token_expanded(const CombineRecvArgs& a, long long t, int lane,
+                                             const long long* pulled) {
+  const bool* mask = a.mask + t * a.num_ranks;
+  const long long* slot = a.send_slot + t * a.num_ranks;
+  const T* item_row = nullptr;
+  float item_w = 1.0f;
+  int count = 0;
+  unsigned ends = 0u;
+  for (int d = 0; d < a.num_ranks; ++d) {  // uniform: every lane reads the same words
+    if (!mask[d]) continue;
+    const unsigned long long e = static_cast<unsigned long long>(pulled[d]);
+    if (slot[d] >= static_cast<long long>(e & 0xffffffffull)) continue;  // dropped: adds nothing
+    const long long p = static_cast<long long>(e >> 32) + slot[d];
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(a.peer_ws[d]);
+    long long row = -1;
+    float w = 1.0f;
+    if (lane < a.num_topk) {
+      row = reinterpret_cast<const int*>(base + a.index_offset)[p * a.num_topk + lane];
+      if (a.weighted) w = reinterpret_cast<const float*>(base + a.weights_offset)[p * a.num_topk + lane];
+    }
+    const T* mine = row >= 0 ? reinterpret_cast<const T*>(base) + row * a.hidden : nullptr;
+    unsigned rest = __ballot_sync(0xffffffffu, mine != nullptr);
+    if (rest == 0u) continue;
+    while (rest != 0u) {  // uniform: a ballot
+      const int src = __ffs(rest) - 1;
+      rest &= rest - 1u;
+      const unsigned long long r =
+          __shfl_sync(0xffffffffu, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(mine)), src);
+      const float ws = __shfl_sync(0xffffffffu, w, src);
+      if (lane == count) {
+        item_row = reinterpret_cast<const T*>(static_cast<uintptr_t>(r));
+        item_w = ws;
+      }
+      ++count;
+    }
+    ends |= 1u << (count - 1);
+  }
+  T* out = static_cast<T*>(a.out) + t * a.hidden;
+  const T* b0 = a.bias0 != nullptr ? static_cast<const T*>(a.bias0) + t * a.hidden : nullptr;
+  const T* b1 = a.bias1 != nullptr ? static_cast<const T*>(a.bias1) + t * a.hidden : nullptr;
+  for (int base = 0; base < a.hidden; base += 32 * kVec * kSpan) {
+    const int h0 = base + lane * kVec;
+    float acc[kSpan][kVec], part[kSpan][kVec];
+#pragma unroll
+    for (int u = 0; u < kSpan; ++u)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[u][v] = part[u][v] = 0.0f;
+    for (int j0 = 0; j0 < count; j0 += kGroup) {  // uniform
+      T vals[kGroup][kSpan][kVec];
+      float ws[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const int j = j0 + g < count ? j0 + g : 0;  // every lane shuffles; past the list nothing is loaded
+        const unsigned long long r =
+            __shfl_sync(0xffffffffu, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(item_row)), j);
+        ws[g] = __shfl_sync(0xffffffffu, item_w, j);
+        if (j0 + g >= count) continue;
+        const T* row = reinterpret_cast<const T*>(static_cast<uintptr_t>(r));
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          const int h = h0 + u * 32 * kVec;
+          if (h >= a.hidden) break;
+          if constexpr (kVec == 8) {
+            *reinterpret_cast<int4*>(vals[g][u]) = *reinterpret_cast<const int4*>(row + h);
+          } else {
+            vals[g][u][0] = row[h];
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (j0 + g >= count) break;
+        const bool last = (ends >> (j0 + g)) & 1u;
+#pragma unroll
+        for (int u = 0; u < kSpan; ++u) {
+          if (h0 + u * 32 * kVec >= a.hidden) break;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) {
+            float f = to_float(vals[g][u][v]);
+            if (a.weighted) f = __fmul_rn(f, ws[g]);
+            part[u][v] = __fadd_rn(part[u][v], f);
+            if (last) {
+              acc[u][v] = __fadd_rn(acc[u][v], to_float(from_float<T>(part[u][v])));
+              part[u][v] = 0.0f;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSpan; ++u) {
+      const int h = h0 + u * 32 * kVec;
+      if (h >= a.hidden) break;
+      alignas(16) T bias[2][kVec];
+      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + h : nullptr);
+      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + h : nullptr);
+      alignas(16) T res[kVec];
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        float r = acc[u][v];
+        if (b0 != nullptr) r = __fadd_rn(r, to_float(bias[0][v]));
+        if (b1 != nullptr) r = __fadd_rn(r, to_float(bias[1][v]));
+        res[v] = from_float<T>(r);
+      }
+      store_group<T, kVec>(out + h, res);
+    }
+  }
+}
+
 // Two launches of one kernel: stage 0 (a single block) waits for every member's partials; stage 1, on
 // every SM (it waits for nothing, the stream orders it after stage 0), sums them and publishes that this
 // member finished reading the operation. So the spinning stays on one block and the sum, all local
@@ -284,8 +407,8 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
           reinterpret_cast<const unsigned long long*>(a.my_sig + s * kSignalWords + kCombineArrived);
       const unsigned long long v = wait_for(w, 1, op, true, a.status, kPhaseCombineArrive, s, a.timeout_ns);
       if (v == ~0ull) return false;
-      if ((v & 1ull) != static_cast<unsigned long long>(a.pull)) {
-        report(a.status, 4, kPhaseCombineArrive, s, v & 1ull, a.pull, 0);
+      if ((v & 1ull) != static_cast<unsigned long long>(a.pull != 0)) {
+        report(a.status, 4, kPhaseCombineArrive, s, v & 1ull, a.pull != 0, 0);
         return false;
       }
       return true;
@@ -295,7 +418,7 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
   if (threadIdx.x == 0) ok = !failed(a.status);  // stage 0 failed: the partials are not all there
   if (a.pull) {
     for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
-      if (s == a.me) continue;
+      if (s == a.me && a.pull == 1) continue;  // a compact one reads its own rows from partial
       const uint8_t* table = reinterpret_cast<const uint8_t*>(a.peer_ws[s]) + a.table_offset;
       pulled[s] = *reinterpret_cast<const volatile long long*>(table + a.me * sizeof(long long));
     }
@@ -313,6 +436,15 @@ __device__ inline void combine_recv(const CombineRecvArgs& a) {
     const long long self_start = a.recv_starts[a.me];
     const long long* from = a.pull ? pulled : nullptr;
     for (long long t = warp; t < a.num_tokens; t += warps) {
+      if (a.pull == 2) {
+        if constexpr (sizeof(T) == 2) {
+          if (vec) reduce_token_expanded<T, 8, 2, 4>(a, t, lane, pulled);
+          else reduce_token_expanded<T, 1, 4, 4>(a, t, lane, pulled);
+        } else {
+          reduce_token_expanded<T, 1, 4, 4>(a, t, lane, pulled);
+        }
+        continue;
+      }
       if constexpr (sizeof(T) == 2) {
         if (vec) reduce_token<T, 8, 2, 4>(a, t, lane, self_start, from);
         else reduce_token<T, 1, 4, 4>(a, t, lane, self_start, from);

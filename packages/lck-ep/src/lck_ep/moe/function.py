@@ -94,12 +94,15 @@ def _experts_fwd(
     ends: torch.Tensor,
     tiles: grouped.Tiles | None,
     keep_h: bool,
+    y_out: Any = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(h [M, 2F], y_e [M, H])``; ``act`` is not kept (the backward kernel writes it again), nor ``h``
-    on the Triton forward when no backward follows (``keep_h`` false)."""
+    on the Triton forward when no backward follows (``keep_h`` false). ``y_out``: a callable giving the
+    ``[M, H]`` tensor the Triton forward's second GEMM writes ``y_e`` into (the Buffer's zero-copy
+    combine input), called only where that GEMM runs."""
     if tiles is not None and grouped.tma_rows(x_e):
         h, act = grouped.gemm_swiglu(x_e, w_e, w1, ends, tiles, keep_h)
-        return h, grouped.mm_tiled(act, w2, ends, tiles)
+        return h, grouped.mm_tiled(act, w2, ends, tiles, out=y_out() if y_out is not None else None)
     h = grouped.mm(x_e, w1, ends)
     act = launch.swiglu_weighted_fwd(h, w_e, ends)
     return h, grouped.mm(act, w2, ends)
@@ -154,7 +157,10 @@ class MoEFunction(torch.autograd.Function):
             handle = d.handle
             ends = handle.expert_offsets[1:].to(torch.int32)
             w_e = _expanded_weights(d.recv_topk_weights, handle.expanded_src_row, handle.expanded_slot)
-            h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends, tiles, plan.retain)
+            # The second GEMM writes straight into the combine's input: on the native backend the workspace,
+            # where the sources read and reduce the rows (zero-copy), else a new tensor as it would allocate.
+            y_out = lambda: buf.combine_input(handle, dtype=x.dtype)
+            h, y_e = _experts_fwd(d.recv_x, w_e, w1, w2, ends, tiles, plan.retain, y_out)
             out = buf.combine(y_e, handle).combined_x
             saved = (d.recv_x, h, w_e, ends, idx)
         del y_e

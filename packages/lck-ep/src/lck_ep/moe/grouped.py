@@ -170,11 +170,15 @@ def gemm_swiglu(
     return h, act
 
 
-def mm_tiled(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles) -> torch.Tensor:
-    """:func:`mm` through the Triton kernel (``b`` contiguous ``[E, K, N]``, ``a`` ``[M, K]`` contiguous)."""
+def mm_tiled(
+    a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`mm` through the Triton kernel (``b`` contiguous ``[E, K, N]``, ``a`` ``[M, K]`` contiguous), into
+    ``out`` (``[M, N]`` in ``a.dtype``, rows ``N`` apart) when given."""
     m, k = a.shape
     e, n = b.shape[0], b.shape[2]
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
     t = tiles.gemm2
