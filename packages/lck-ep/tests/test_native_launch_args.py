@@ -342,6 +342,12 @@ def test_native_zero_copy_combine(monkeypatch: pytest.MonkeyPatch, zero_copy: bo
     # a member whose own rows would fit still refuses when another member's could not (the bound decides)
     assert ep.combine_input(h, 6, 32, torch.float32, 21, 1 << 16) is None
     assert len(launch.calls) == 3
+    # an expanded handle's maps must fit behind the most rows too, even where its rows' view is cached
+    from lck_ep.native import expanded_tables
+
+    assert ep.combine_input(h, 6, 16, torch.bfloat16, 21, 8, expanded_tables(8, 32, 1 << 18, 8)) is None
+    z = ep.combine_input(h, 6, 16, torch.bfloat16, 21, 8, expanded_tables(8, 32, 16, 8))
+    assert z is y and ep.takes_in_place(z, h) and len(launch.calls) == 4
 
 
 def test_combine_refuses_a_workspace_tensor_combine_input_did_not_hand_out() -> None:

@@ -814,7 +814,7 @@ class NativeEp:
         ``handle`` to read them there (:meth:`reduce_partials`)."""
         key = (rows, hidden, dtype)
         view = self._views.get(key)
-        if view is None or tables is not None:
+        if view is None or tables is not None:  # a cached view met the rows' bound; tables differ by handle
             if dtype not in _COMBINE_CODES:
                 return None
             size = dtype.itemsize
