@@ -28,11 +28,15 @@ def _profile_rank(rank: int, world: int, iters: int) -> dict[str, Any]:
     import lck_runtime as L
     from lck_ep.benchmark_native import profile_setup
 
-    _, x, idx, w, _, _, free, df, _ = profile_setup(SHAPE, rank)
+    _, x, idx, w, synced, _, free, df, _ = profile_setup(SHAPE, rank)
+    se = synced.dispatch(x, idx, w, expand=True, expert_alignment=128)
     calls = {
         "dispatch_sync_free": lambda: free.dispatch(x, idx, w),
         "dispatch_cached_sync_free": lambda: free.dispatch(x, handle=df.handle),
         "combine_sync_free": lambda: free.combine(df.recv_x, df.handle),
+        # the synced expanded path (the MoE layer's on a synced Buffer): its loop sits above its GPU time
+        "dispatch_expanded_synced": lambda: synced.dispatch(x, idx, w, expand=True, expert_alignment=128),
+        "combine_expanded_synced": lambda: synced.combine(se.recv_x, se.handle, se.recv_topk_weights),
     }
     out: dict[str, Any] = {}
     for name, fn in calls.items():
