@@ -48,9 +48,10 @@ def most_expanded_rows(per_expert: torch.Tensor, num_ranks: int, alignment: int)
     """The most expanded rows any rank holds: ``per_expert`` ``[S, E]`` (every source's entries per global
     expert, as a synced dispatch's agreement gathers them; rank ``d`` hosts experts ``[d * L, (d + 1) * L)``),
     each rank's segments padded to ``alignment`` and summed."""
-    totals = per_expert.sum(0).view(num_ranks, -1)
-    padded = torch.div(totals + (alignment - 1), alignment, rounding_mode="floor") * alignment
-    return int(padded.sum(1).max()) if totals.numel() else 0
+    # numpy on the host table: each torch op here would cost the synced dispatch's host several microseconds
+    totals = per_expert.cpu().numpy().sum(0).reshape(num_ranks, -1)
+    padded = -(-totals // alignment) * alignment
+    return int(padded.sum(1).max()) if totals.size else 0
 
 
 def expert_counts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
