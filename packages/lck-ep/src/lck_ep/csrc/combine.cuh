@@ -146,6 +146,30 @@ __device__ __forceinline__ void store_group(T* dst, const T (&src)[kVec]) {
   }
 }
 
+// One element pass's float32 sums (kSpan groups of kVec elements, the first at h0, 32 * kVec apart) plus the
+// biases in that order, each rounded once to T and stored: how sum_rows and reduce_token_expanded finish.
+template <typename T, int kVec, int kSpan>
+__device__ __forceinline__ void store_sums(const float (&acc)[kSpan][kVec], const T* b0, const T* b1, T* out,
+                                           int h0, int hidden) {
+#pragma unroll
+  for (int u = 0; u < kSpan; ++u) {
+    const int h = h0 + u * 32 * kVec;
+    if (h >= hidden) break;
+    alignas(16) T bias[2][kVec];
+    load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + h : nullptr);
+    load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + h : nullptr);
+    alignas(16) T res[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      float r = acc[u][v];
+      if (b0 != nullptr) r = __fadd_rn(r, to_float(bias[0][v]));
+      if (b1 != nullptr) r = __fadd_rn(r, to_float(bias[1][v]));
+      res[v] = from_float<T>(r);
+    }
+    store_group<T, kVec>(out + h, res);
+  }
+}
+
 // The sum of the rows a warp's lanes hold, in ascending lane order over the lanes whose row is set: out[h] =
 // (((+0 + f(r_a[h])) + f(r_b[h])) + ...) [+ b0[h]] [+ b1[h]], in float32 with one rounding per multiply and per
 // add (no fused multiply-add), rounded once to T; f(v) = v * w of the row's lane when weighted, else v. Rows
@@ -222,23 +246,7 @@ __device__ inline void sum_rows(int count, Item item, const T* b0, const T* b1, 
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u) {
-      const int h = h0 + u * 32 * kVec;
-      if (h >= hidden) break;
-      alignas(16) T bias[2][kVec];
-      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + h : nullptr);
-      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + h : nullptr);
-      alignas(16) T res[kVec];
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) {
-        float r = acc[u][v];
-        if (b0 != nullptr) r = __fadd_rn(r, to_float(bias[0][v]));
-        if (b1 != nullptr) r = __fadd_rn(r, to_float(bias[1][v]));
-        res[v] = from_float<T>(r);
-      }
-      store_group<T, kVec>(out + h, res);
-    }
+    store_sums<T, kVec, kSpan>(acc, b0, b1, out, h0, hidden);
   }
 }
 
@@ -371,23 +379,7 @@ __device__ inline void reduce_token_expanded(const CombineRecvArgs& a, long long
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kSpan; ++u) {
-      const int h = h0 + u * 32 * kVec;
-      if (h >= a.hidden) break;
-      alignas(16) T bias[2][kVec];
-      load_group<T, kVec>(bias[0], b0 != nullptr ? b0 + h : nullptr);
-      load_group<T, kVec>(bias[1], b1 != nullptr ? b1 + h : nullptr);
-      alignas(16) T res[kVec];
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) {
-        float r = acc[u][v];
-        if (b0 != nullptr) r = __fadd_rn(r, to_float(bias[0][v]));
-        if (b1 != nullptr) r = __fadd_rn(r, to_float(bias[1][v]));
-        res[v] = from_float<T>(r);
-      }
-      store_group<T, kVec>(out + h, res);
-    }
+    store_sums<T, kVec, kSpan>(acc, b0, b1, out, h0, a.hidden);
   }
 }
 
