@@ -279,18 +279,17 @@ def combine(buf: BufferView, plan: CombinePlan) -> torch.Tensor:
             partial = torch.empty(index.shape[0], plan.x.shape[1], dtype=plan.x.dtype, device=buf.device)
         sent = OutgoingPartials(partial, h.recv_counts_device, h.recv_starts)
         expanded = None
+        w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
         # A zero-copy input stays where it is: the receiver's waiting launch publishes where its rows are (and
         # an expanded handle's maps, copied beside them, which its sources reduce the rows with).
         if index is None and not in_place:
             st.send_partials(sent, buf.num_sms, buf.timeout_ns)
         elif index is not None and in_place:
-            w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
             row = plan.x.shape[1] * plan.x.element_size()
             tables = expanded_tables(h.most_expanded_rows, row, buf.worst_case_tokens, h.num_topk)
             st.publish_expanded_maps(index, w, tables)
             expanded = (tables, index.shape[0], h.num_topk, w is not None)
         elif index is not None:
-            w = plan.topk_weights.contiguous() if plan.topk_weights is not None else None
             if st.fuses_expanded_combine:  # reduced into the sources' regions, own rows into partial
                 st.send_expanded_partials(plan.x.contiguous(), index, w, sent, buf.num_sms, buf.timeout_ns)
             else:

@@ -200,14 +200,12 @@ def _bench_shape(
     )
     z = synced.combine_input(se.handle)
     z.copy_(se.recv_x)
-    if synced._native.takes_in_place(z, se.handle):  # the same verdict on every PE
+    if synced._native.takes_in_place(z, se.handle):  # the same verdict on every PE (else nothing is armed)
 
         def expanded_zero_copy() -> Any:
             return synced.combine(synced.combine_input(se.handle), se.handle, weights)
 
         attempt("combine_expanded", "lck_nvshmem_zero_copy", label, expanded_zero_copy, sent)
-    else:
-        synced.combine(z, se.handle, weights)
     # The default keeps most SMs for overlapped compute; the same kernels on this PE's whole share:
     # Under MPS the multiprocessor count this process reads is already its share of the GPU.
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -24,11 +24,10 @@ argument check (on the native backend a small compact dispatch's outputs are vie
 the Buffer's capacity, at most ``early_receive_bytes`` in all, 16 MiB by default: its kernels run before
 the counts reach the host). *Sync-free* (``Buffer(..., sync_free=True)`` or
 ``dispatch(..., num_worst_tokens=n)``): outputs are sized by capacity (``num_worst_tokens``, default
-``max_tokens_per_rank * W``), valid rows first and padding rows after (``-1`` indices and source rows, ``0`` weights; the padding rows of
-``recv_x`` are unspecified: the native backend does not write them, as DeepEP's ``num_worst_tokens``
-mode does not, since zeroing a capacity-sized output moves more bytes than the tokens do; the reference
-backend writes zeros there); counts stay on the
-device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. Eagerly
+``max_tokens_per_rank * W``), valid rows first and padding rows after (``-1`` indices and source rows,
+``0`` weights; the padding rows of ``recv_x`` are unspecified: the native backend does not write them, as
+DeepEP's ``num_worst_tokens`` mode does not, since zeroing a capacity-sized output moves more bytes than the
+tokens do; the reference backend writes zeros there); counts stay on the device; nothing reads a device value on the host, so the call can be captured in a CUDA graph. Eagerly
 this mode skips the per-call cross-rank check (it would need a host round trip): static parameters were
 agreed when the Buffer was built, and local checks still raise before anything is launched. Under a
 CUDA-graph capture the check runs through the host (:mod:`lck_ep.capture`), so a problem on one rank
