@@ -41,7 +41,7 @@ def _program_tile(ends_ptr, n_cols, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, 
     """(expert, first row, segment end, live, first column) of this program's tile, one program per tile."""
     pid = tl.program_id(0)
     n_tiles = n_cols // BLOCK_N
-    tiles, cum, _, _ = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M, False)
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     live = pid < tl.sum(tiles, 0) * n_tiles
     e, row0, end, col0 = _locate(ends_ptr, tl.where(live, pid, 0), n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
     return e, row0, end, live, col0
@@ -250,11 +250,10 @@ def _tiles2(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any) -> list[dict[str, An
 
 
 def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> list[dict[str, Any]]:
-    """Pairs of launch choices for the two forward GEMMs (persistent grids with the
-    tile and K loops flattened or not, half-height last row tiles in a second pass), each GEMM alone and the
-    layer's forward with the pair (``grouped.forward_tiles`` replaced), the layer twice. (Earlier runs also
-    compared one program per tile and warp specialisation, and f2b9517 Triton's ``disallow_acc_multi_buffer``
-    on the flattened first GEMM: no change, 0.92 ms.)"""
+    """Pairs of launch choices for the two forward GEMMs (one program per tile; persistent grids with the
+    tile and K loops flattened or not, warp specialisation), each GEMM alone and the layer's forward with the
+    pair (``grouped.forward_tiles`` replaced), the layer twice. (f2b9517 also tried Triton's
+    ``disallow_acc_multi_buffer`` on the flattened first GEMM: no change, 0.92 ms.)"""
     from lck_ep.moe import grouped
 
     out: list[dict[str, Any]] = []
@@ -263,13 +262,12 @@ def _persist(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) -> 
     g1, g2 = grouped.GemmTile(128, 128, 64, 8, 4), grouped.GemmTile(128, 256, 64, 8, 4)
     p = {"programs_per_sm": 1}
     pf = {**p, "flatten": True}
-    half = {"half_tail": True}
     pairs = {  # name: (first GEMM's changes, second GEMM's changes)
+        "per_tile": ({}, {}),
         "persistent/flat": (p, pf),
-        "persistent_half/flat": ({**p, **half}, pf),
-        "persistent/flat_half": (p, {**pf, **half}),
-        "persistent_half/flat_half": ({**p, **half}, {**pf, **half}),
-        "persistent_half/persistent_half": ({**p, **half}, {**p, **half}),
+        "flat/flat": (pf, pf),
+        "flat_ws/flat": ({**pf, "warp_specialize": True}, pf),
+        "persistent_ws/flat": ({**p, "warp_specialize": True}, pf),
     }
     base = grouped.Tiles(g1, g2)
     want1 = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, base, False)[1][:rows].float()

@@ -14,8 +14,6 @@ shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Prov
 
 - ``lck_separate``: the same module with its Triton forward off (``LCK_EP_MOE_FUSED=0``): row gather,
   ``torch._grouped_mm``, the weighted SwiGLU kernel, ``torch._grouped_mm``.
-- ``lck_full_tiles``: the same module with every row tile of the Triton forward at full height
-  (``GemmTile.half_tail`` off), as before half-height last tiles.
 
 On the GPU (without ``--only``) the forward GEMMs are also timed alone (benches ``moe_gemm1`` and
 ``moe_gemm2``): the two passes the first one replaces (``torch._grouped_mm``, weighted SwiGLU) against
@@ -255,29 +253,8 @@ def _lck_separate(inp: dict[str, Any], shape: Shape) -> Callable[[bool], Any]:
     return separate
 
 
-def _lck_full_tiles(inp: dict[str, Any], shape: Shape) -> Callable[[bool], Any]:
-    from lck_ep.moe import grouped
-
-    run = _lck(inp, shape)
-    chosen = grouped.forward_tiles
-
-    def full(*operands: Any) -> Any:
-        tiles = chosen(*operands)
-        return None if tiles is None else grouped.Tiles(*(t._replace(half_tail=False) for t in tiles))
-
-    def full_tiles(backward: bool) -> Any:
-        grouped.forward_tiles = full
-        try:
-            return run(backward)
-        finally:
-            grouped.forward_tiles = chosen
-
-    return full_tiles
-
-
 PROVIDERS: dict[str, Callable[[dict[str, Any], Shape], Callable[[bool], Any]]] = {
     "lck": _lck,
-    "lck_full_tiles": _lck_full_tiles,
     "lck_separate": _lck_separate,
     "grouped_mm_eager": _eager_layer,
     "grouped_mm_eager_sorted": _eager_sorted,

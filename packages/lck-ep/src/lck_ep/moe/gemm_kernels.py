@@ -32,25 +32,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_counts(ends_ptr, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HALF_TAIL: tl.constexpr):
-    """``(tiles, cum, halves, cum_halves)`` over ``E_BLOCK`` lanes: each expert's ``BLOCK_M``-row tiles and
-    their inclusive prefix sum; with ``HALF_TAIL``, a segment whose last tile would hold at most
-    ``BLOCK_M // 2`` rows has that tile in ``halves`` (0 or 1, with their prefix sum) instead."""
+def _tile_counts(ends_ptr, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(tiles, cum)`` over ``E_BLOCK`` lanes: each expert's row tiles and their inclusive prefix sum."""
     e_ids = tl.arange(0, E_BLOCK)
     in_e = e_ids < NUM_E
     ends = tl.load(ends_ptr + e_ids, mask=in_e, other=0)
     starts = tl.load(ends_ptr + e_ids - 1, mask=in_e & (e_ids > 0), other=0)
-    rows = tl.where(in_e, ends - starts, 0)
-    if HALF_TAIL:
-        full = rows // BLOCK_M
-        rest = rows - full * BLOCK_M
-        halves = ((rest > 0) & (rest <= BLOCK_M // 2)).to(tl.int32)
-        tiles = full + (rest > BLOCK_M // 2).to(tl.int32)
-    else:
-        tiles = (rows + BLOCK_M - 1) // BLOCK_M
-        halves = tl.zeros_like(tiles)
-    return tiles, tl.cumsum(tiles, 0), halves, tl.cumsum(halves, 0)
+    tiles = tl.where(in_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    return tiles, tl.cumsum(tiles, 0)
 
 
 @triton.jit
@@ -68,118 +57,65 @@ def _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _locate_half(ends_ptr, tile, n_tiles, cum_halves, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(expert, first row, segment end, first column) of half-height ``tile``: the last ``BLOCK_M // 2``-row
-    tile of the ``tile // n_tiles``-th segment that has one, column tile ``tile % n_tiles``."""
-    ht = tile // n_tiles
-    e = tl.sum((cum_halves <= ht).to(tl.int32), 0)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-    end = tl.load(ends_ptr + e)
-    return e, start + (end - start) // BLOCK_M * BLOCK_M, end, (tile - ht * n_tiles) * BLOCK_N
-
-
-@triton.jit
-def _first_half_tile(total):
-    """This program's first tile of the half-height pass: the tiles of both passes are one list dealt out
-    round-robin (``pid, pid + programs, ...``), so the half tiles fill in behind the programs that ran
-    fewer full tiles."""
-    programs = tl.num_programs(0)
-    return (tl.program_id(0) + programs - total % programs) % programs
-
-
-@triton.jit
-def _swiglu_tile(a_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h, stride_act,
-                 WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``BLOCK_M`` x (gate, up) tile of the first GEMM and its weighted SwiGLU epilogue."""
-    b_row = e * hidden
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, hidden, BLOCK_K):
-        a = a_desc.load([row0, k])
-        acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-        acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
-    g = acc_g.to(act_ptr.dtype.element_ty)
-    u = acc_u.to(act_ptr.dtype.element_ty)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    cols = col0 + tl.arange(0, BLOCK_N)
-    r64 = rows.to(tl.int64)
-    out_ok = row_ok[:, None] & (cols < ffn)[None, :]
-    if WRITE_H:
-        h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
-        tl.store(h_rows, g, mask=out_ok)
-        tl.store(h_rows + ffn, u, mask=out_ok)
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-    gf = g.to(tl.float32)
-    act = gf * tl.sigmoid(gf) * u.to(tl.float32)
-    tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
-             mask=out_ok)
-
-
-@triton.jit
 def _swiglu_gemm_kernel(
-    a_desc, a_half_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act,
-    NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    a_desc, b_desc, w_ptr, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_h, stride_act, NUM_E: tl.constexpr,
+    E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Row tile x (gate, up) column tiles of ``h = a[rows] @ W1[e]``, then ``act = w * silu(g) * u``
     with row m's routing weight ``w[m]``. ``a_desc``: the expanded rows ``[M, hidden]`` in
-    ``[BLOCK_M, BLOCK_K]`` blocks (``a_half_desc`` in ``[BLOCK_M // 2, BLOCK_K]``, read with ``HALF_TAIL``);
-    ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``. With ``HALF_TAIL`` the segments'
-    last tiles of at most ``BLOCK_M // 2`` rows run in a second pass at that height."""
-    tiles, cum, halves, cum_halves = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M, HALF_TAIL)
+    ``[BLOCK_M, BLOCK_K]`` blocks; ``b_desc``: W1 as ``[E * hidden, 2 * ffn]`` in ``[BLOCK_K, BLOCK_N]``."""
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = ffn // BLOCK_N
-    total = tl.sum(tiles, 0) * n_tiles
-    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN,
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
-        _swiglu_tile(a_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h, stride_act,
-                     WRITE_H, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HALF_TAIL:
-        for tile in tl.range(_first_half_tile(total), tl.sum(halves, 0) * n_tiles, tl.num_programs(0),
-                             flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            e, row0, end, col0 = _locate_half(ends_ptr, tile, n_tiles, cum_halves, BLOCK_M, BLOCK_N)
-            _swiglu_tile(a_half_desc, b_desc, w_ptr, h_ptr, act_ptr, e, row0, end, col0, hidden, ffn, stride_h,
-                         stride_act, WRITE_H, BLOCK_M // 2, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _gemm_tile(a_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``BLOCK_M`` x ``BLOCK_N`` tile of ``a[rows of e] @ W[e]``, stored up to the segment's end."""
-    b_row = e * k_dim
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_dim, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([b_row + k, col0]), acc)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = col0 + tl.arange(0, BLOCK_N)
-    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
-    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
+        b_row = e * hidden
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            a = a_desc.load([row0, k])
+            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+        g = acc_g.to(act_ptr.dtype.element_ty)
+        u = acc_u.to(act_ptr.dtype.element_ty)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = col0 + tl.arange(0, BLOCK_N)
+        r64 = rows.to(tl.int64)
+        out_ok = row_ok[:, None] & (cols < ffn)[None, :]
+        if WRITE_H:
+            h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
+            tl.store(h_rows, g, mask=out_ok)
+            tl.store(h_rows + ffn, u, mask=out_ok)
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        gf = g.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+        tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=out_ok)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_desc, a_half_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr,
-    E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HALF_TAIL: tl.constexpr,
+    a_desc, b_desc, c_ptr, ends_ptr, n_cols, k_dim, stride_c, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
-    """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks
-    (``a_half_desc`` in ``[BLOCK_M // 2, BLOCK_K]``), ``b_desc`` W as ``[E * K, N]`` in
-    ``[BLOCK_K, BLOCK_N]`` blocks; ``HALF_TAIL`` as in ``_swiglu_gemm_kernel``."""
-    tiles, cum, halves, cum_halves = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M, HALF_TAIL)
+    """``c[rows of e] = a[rows of e] @ W[e]``; ``a_desc`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks,
+    ``b_desc`` W as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks."""
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
     n_tiles = n_cols // BLOCK_N
-    total = tl.sum(tiles, 0) * n_tiles
-    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN,
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
-        _gemm_tile(a_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HALF_TAIL:
-        for tile in tl.range(_first_half_tile(total), tl.sum(halves, 0) * n_tiles, tl.num_programs(0),
-                             flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            e, row0, end, col0 = _locate_half(ends_ptr, tile, n_tiles, cum_halves, BLOCK_M, BLOCK_N)
-            _gemm_tile(a_half_desc, b_desc, c_ptr, e, row0, end, col0, n_cols, k_dim, stride_c, BLOCK_M // 2,
-                       BLOCK_N, BLOCK_K)
+        b_row = e * k_dim
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_dim, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k]), b_desc.load([b_row + k, col0]), acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols[None, :]
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < end)[:, None] & (cols < n_cols)[None, :])
 
 
 # fmt: on

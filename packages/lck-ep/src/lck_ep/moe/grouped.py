@@ -51,9 +51,7 @@ class GemmTile(NamedTuple):
     """One Triton GEMM's launch: tile sizes, warps and pipeline stages, and the grid. ``programs_per_sm``
     0 launches one program per tile of the most-tiles routing (programs past the last tile return at once);
     a positive value launches that many programs per SM, each looping over tiles (persistent), with the
-    loop over tiles and K steps flattened into one pipelined loop when ``flatten``. ``half_tail``: a
-    segment's last row tile that would hold at most ``block_m // 2`` rows runs at that height, in a second
-    pass after every full-height tile (a tile's rows past its segment are computed for nothing)."""
+    loop over tiles and K steps flattened into one pipelined loop when ``flatten``."""
 
     block_m: int
     block_n: int
@@ -63,7 +61,6 @@ class GemmTile(NamedTuple):
     programs_per_sm: int = 0
     flatten: bool = False
     warp_specialize: bool = False
-    half_tail: bool = False
 
 
 class Tiles(NamedTuple):
@@ -109,11 +106,9 @@ def forward_tiles(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Tiles 
     # second GEMM's short K (12 steps) gains most from flattening its tile and K loops, so the next tile's
     # loads overlap this one's stores (0.405 -> 0.360 ms back to back); the first, with two accumulators,
     # loses with flattening (0.93 ms) and gains a little without (0.720 -> 0.698 ms).
-    # Half-height last tiles: a segment's last row tile computes ``block_m`` rows however few it holds (about
-    # 11% of the rows at the Qwen3-30B-A3B shape); those of at most half the height run at half height.
     return Tiles(
-        GemmTile(bm, bn1, bk, warps, stages, programs_per_sm=1, half_tail=True),
-        GemmTile(bm, bn2, bk, warps, stages, programs_per_sm=1, flatten=True, half_tail=True),
+        GemmTile(bm, bn1, bk, warps, stages, programs_per_sm=1),
+        GemmTile(bm, bn2, bk, warps, stages, programs_per_sm=1, flatten=True),
     )
 
 
@@ -131,13 +126,6 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, block)
-
-
-def _row_descriptors(a: torch.Tensor, t: GemmTile) -> tuple[object, object]:
-    """TMA descriptors of the rows ``a`` in full-height blocks and, with ``half_tail``, half-height ones (the
-    full-height one stands in where the kernel reads none)."""
-    full = _descriptor(a, [t.block_m, t.block_k])
-    return full, _descriptor(a, [t.block_m // 2, t.block_k]) if t.half_tail else full
 
 
 @functools.cache
@@ -173,13 +161,11 @@ def gemm_swiglu(
         return h, act
     t = tiles.gemm1
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    a_desc, a_half_desc = _row_descriptors(a, t)
     launch.run(_kernels()._swiglu_gemm_kernel, _grid(t, m, e, ffn, a.device),
-        a_desc, a_half_desc, _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
+        _descriptor(a, [bm, bk]), _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends,
         h if h is not None else act, act, hidden, ffn, h.stride(0) if h is not None else 0, act.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, HALF_TAIL=t.half_tail, num_warps=t.warps,
-        num_stages=t.stages,
+        FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return h, act
 
@@ -197,11 +183,10 @@ def mm_tiled(
         return out
     t = tiles.gemm2
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    a_desc, a_half_desc = _row_descriptors(a, t)
     launch.run(_kernels()._grouped_gemm_kernel, _grid(t, m, e, n, a.device),
-        a_desc, a_half_desc, _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
+        _descriptor(a, [bm, bk]), _descriptor(b.view(e * k, n), [bk, bn]), out, ends, n, k, out.stride(0),
         NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten,
-        WARP_SPECIALIZE=t.warp_specialize, HALF_TAIL=t.half_tail, num_warps=t.warps, num_stages=t.stages,
+        WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out
 
