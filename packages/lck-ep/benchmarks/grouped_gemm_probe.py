@@ -96,7 +96,68 @@ def _swiglu_gemm_one_acc_kernel(
                  mask=row_ok[:, None])
 
 
+@triton.jit
+def _swiglu_gemm_gather_kernel(
+    x_ptr, entry_ptr, wf_ptr, b_desc, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_x, num_topk, stride_h,
+    stride_act, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The layer's fused first GEMM on a persistent grid with its rows gathered from the tokens: row m of a
+    tile is ``x[entry[m] // num_topk]`` (zero where ``entry[m] < 0`` or m is past the segment), loaded with
+    pointer loads (cp.async) instead of TMA reads of a gathered copy; its routing weight ``wf[entry[m]]``."""
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
+    n_tiles = ffn // BLOCK_N
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0)):
+        e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        ent = tl.load(entry_ptr + rows, mask=row_ok, other=-1)
+        valid = ent >= 0
+        src = tl.where(valid, ent // num_topk, 0).to(tl.int64)
+        a_ptrs = x_ptr + src[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+        b_row = e * hidden
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
+            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+        g = acc_g.to(act_ptr.dtype.element_ty)
+        u = acc_u.to(act_ptr.dtype.element_ty)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        r64 = rows.to(tl.int64)
+        out_ok = row_ok[:, None] & (cols < ffn)[None, :]
+        if WRITE_H:
+            h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
+            tl.store(h_rows, g, mask=out_ok)
+            tl.store(h_rows + ffn, u, mask=out_ok)
+        w = tl.load(wf_ptr + tl.where(valid, ent, 0), mask=valid, other=0.0)
+        gf = g.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+        tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=out_ok)
+
+
 # fmt: on
+
+
+def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg):
+    """:func:`lck_ep.moe.grouped.gemm_swiglu` with the row gather inside (``_swiglu_gemm_gather_kernel``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages = cfg
+    m = entry.numel()
+    e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
+    act = torch.empty(m, ffn, dtype=x.dtype, device=x.device)
+    h = torch.empty(m, 2 * ffn, dtype=x.dtype, device=x.device) if keep_h else act
+    most = (triton.cdiv(m, bm) + e) * (ffn // bn)
+    grid = (min(most, torch.cuda.get_device_properties(x.device).multi_processor_count),)
+    _swiglu_gemm_gather_kernel[grid](
+        x, entry, wf, TensorDescriptor.from_tensor(w1.view(e * hidden, 2 * ffn), [bk, bn]), ends, h, act, hidden,
+        ffn, x.stride(0), num_topk, h.stride(0), act.stride(0), NUM_E=e, E_BLOCK=max(2, triton.next_power_of_2(e)),
+        WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return act
 
 
 def swiglu_one_acc(a, w, w1, ends, cfg):
@@ -377,6 +438,53 @@ def _pingpong(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) ->
     return out
 
 
+def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
+    """The row gather plus the TMA first GEMM (the layer's forward) against one kernel that gathers its rows
+    itself (``_swiglu_gemm_gather_kernel``, persistent), with and without ``h``; outputs compared on the rows
+    in use."""
+    from lck_ep.moe import grouped, launch
+    from lck_ep.moe.permute import build_local_layout
+
+    e, k = w1.shape[0], wt.shape[1]
+    tiles = grouped.forward_tiles(
+        x, w1, torch.empty(e, w1.shape[2] // 2, x.shape[1], device=x.device, dtype=x.dtype)
+    )
+    lay = build_local_layout(idx, e, 1)
+    wf = wt.reshape(-1).float().contiguous()
+    rows = int(lay.ends[-1])
+    out: list[dict[str, Any]] = []
+    for keep_h in (False, True):
+
+        def separate(keep_h: bool = keep_h) -> Any:
+            x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
+            return grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, keep_h)[1]
+
+        runs = {"gather_then_tma_gemm": separate}
+        if not keep_h:
+            x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
+            runs["gather_alone"] = lambda: launch.gather_rows(x, lay.entry, k, wf)[0]
+            runs["tma_gemm_alone"] = lambda x_e=x_e, w_e=w_e: grouped.gemm_swiglu(
+                x_e, w_e, w1, lay.ends, tiles, False
+            )[1]
+        for stages in (3, 4):
+            runs[f"fused_gather_s{stages}"] = lambda keep_h=keep_h, stages=stages: swiglu_gather(
+                x, lay.entry, wf, w1, lay.ends, k, keep_h, (128, 128, 64, 8, stages)
+            )
+        want = separate()[:rows].float()
+        for name, fn in runs.items():
+            rec: dict[str, Any] = {"gemm": "gemm1_gather", "provider": name + ("_h" if keep_h else "")}
+            try:
+                if name.startswith("fused"):
+                    got = fn()[:rows].float()
+                    rec["max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+                rec.update(_measure(fn, loop_iters=50, loop_warmup=5))
+            except Exception as exc:
+                rec["error"] = repr(exc)[-600:]
+            out.append(rec)
+            print(rec, flush=True)
+    return out
+
+
 def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
     """Whether the rows a partial tile computes for nothing cost less when they are zeros: the same tiles on
     the unpadded layout (a segment's last tile reads the next expert's rows) and on the layout padded with
@@ -422,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
-        "--part", choices=["all", "tiles", "tiles2", "persist", "pingpong", "zeros"], default="all"
+        "--part", choices=["all", "tiles", "tiles2", "persist", "pingpong", "zeros", "gather"], default="all"
     )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -443,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         records += _tiles(lay, x_e, w1, w2, t, k)
     if args.part == "tiles2":
         records += _tiles2(lay, x_e, act, w1, w2)
+    if args.part == "gather":
+        xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
+        records += _gather_fused(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1)
     if args.part == "zeros":
         xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
         records += _zeros(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2)
