@@ -160,13 +160,35 @@ def test_triton_forward_gemms_equal_the_separate_passes(
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     hh, act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, True)
     h_none, act_no_h = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)
+    act_gather = grouped.gemm_swiglu_gather(x, lay.entry, w.reshape(-1), k, w1, lay.ends, tiles)
     y = grouped.mm_tiled(act, w2, lay.ends, tiles)
     monkeypatch.undo()
     used = int(lay.ends[-1])
     torch.testing.assert_close(hh[:used], h_ref[:used], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(act[:used], act_ref[:used], rtol=1e-5, atol=1e-5)
     assert h_none is None and torch.equal(act_no_h[:used], act[:used])
+    # Gathering the rows inside the kernel reads the same values: the same bits as the gathered copy.
+    assert torch.equal(act_gather[:used], act[:used])
     torch.testing.assert_close(y[:used], y_ref[:used], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_forward_without_backward_equals_the_retained_forward(interpret, alignment: int) -> None:
+    """Without a backward to follow, the local layer's first GEMM gathers its rows itself (no gathered
+    copy): its output equals, bit for bit, the forward that keeps its tensors for a backward."""
+    from lck_ep import MoEExperts
+
+    g = torch.Generator().manual_seed(alignment)
+    e, h, f, t, k = 6, 48, 32, 29, 3
+    m = MoEExperts(e, h, f, expert_alignment=alignment)
+    x = torch.randn(t, h, generator=g)
+    idx = torch.rand(t, e, generator=g).argsort(1)[:, :k]
+    idx[torch.rand(t, k, generator=g) < 0.25] = -1
+    w = torch.rand(t, k, generator=g)
+    y_kept = m(x.requires_grad_(), idx, w)
+    with torch.no_grad():
+        y = m(x, idx, w)
+    assert torch.equal(y, y_kept.detach())
 
 
 def test_triton_forward_tiles_only_where_they_fit(interpret, monkeypatch) -> None:
@@ -373,6 +395,8 @@ def test_cuda_bf16_matches_float64(alignment: int) -> None:
     dy = torch.randn(t, h, device=dev).bfloat16()
     y = m(x, idx, w)
     y.backward(dy)
+    with torch.no_grad():  # no backward follows: the first GEMM gathers its rows itself, the same bits
+        assert torch.equal(m(x, idx, w), y.detach()), f"seed {SEED}: the forward without backward differs"
     w1 = m.weight1.detach().double().requires_grad_()
     w2 = m.weight2.detach().double().requires_grad_()
     xd = x.detach().double().requires_grad_()

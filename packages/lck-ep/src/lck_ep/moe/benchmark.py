@@ -5,7 +5,8 @@ routing weights, un-permutation), forward (``fwd``) and forward plus backward (`
 ``x``, both weights and the routing weights through ``torch.autograd.grad``), at the Qwen3-30B-A3B expert
 shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Providers:
 
-- ``lck``: :class:`lck_ep.MoEExperts` (local sort, ``torch._grouped_mm``, the fused weighted SwiGLU);
+- ``lck``: :class:`lck_ep.MoEExperts` (local sort, lck's grouped GEMMs with the weighted SwiGLU as the first
+  one's epilogue; ``fwd`` runs without gradients, so the first GEMM also gathers the rows);
 - ``grouped_mm_eager``: the same layer in torch ops (argsort, gather, ``torch._grouped_mm``, eager
   ``silu(g) * u``, weight multiply, ``index_add_``);
 - ``grouped_mm_eager_sorted``: only ``torch._grouped_mm`` + eager SwiGLU on tokens already sorted by
@@ -17,9 +18,10 @@ shape (hidden 2048, expert ffn 768, 128 experts, top-8, 8192 tokens, bf16). Prov
 
 On the GPU (without ``--only``) the forward GEMMs are also timed alone (benches ``moe_gemm1`` and
 ``moe_gemm2``): the two passes the first one replaces (``torch._grouped_mm``, weighted SwiGLU) against
-:func:`lck_ep.moe.grouped.gemm_swiglu` with and without ``h``, and ``torch._grouped_mm`` against
-:func:`lck_ep.moe.grouped.mm_tiled` for the second, with the largest difference relative to the largest
-magnitude of the output between them.
+:func:`lck_ep.moe.grouped.gemm_swiglu` with and without ``h``, and the row gather followed by that kernel
+against :func:`lck_ep.moe.grouped.gemm_swiglu_gather` (the gather inside, as the forward without backward
+runs it); ``torch._grouped_mm`` against :func:`lck_ep.moe.grouped.mm_tiled` for the second, with the largest
+difference relative to the largest magnitude of the output between them.
 
 Every row has the GPU time (:func:`time_cuda`: L2 flushed, host given a head start), the host time per call
 (:func:`host_ms`; empty where a provider synchronises) and the loop time (back to back), the peak memory
@@ -210,6 +212,12 @@ def _gemm_rows(inp: dict[str, Any], shape: Shape, cuda: bool, iters: int) -> lis
             runs[("moe_gemm1", f"lck_gemm_swiglu{'_with_h' if keep_h else ''}")] = lambda keep_h=keep_h: (
                 grouped.gemm_swiglu(x_e, w_e, inp["w1"], lay.ends, tiles, keep_h)[1]
             )
+        runs[("moe_gemm1", "lck_gemm_swiglu_gathering")] = lambda: grouped.gemm_swiglu_gather(
+            inp["x"], lay.entry, tw.reshape(-1), k, inp["w1"], lay.ends, tiles
+        )  # the row gather inside: its time is that of the separate gather plus the GEMM
+        runs[("moe_gemm1", "lck_gather_then_gemm_swiglu")] = lambda: grouped.gemm_swiglu(
+            *launch.gather_rows(inp["x"], lay.entry, k, tw.reshape(-1)), inp["w1"], lay.ends, tiles, False
+        )[1]
         runs[("moe_gemm2", "lck_mm_tiled")] = lambda: grouped.mm_tiled(act_in, inp["w2"], lay.ends, tiles)
     used = int(lay.ends[-1])
     want = {"moe_gemm1": separate()[:used].float(), "moe_gemm2": runs[("moe_gemm2", "torch_grouped_mm")]()}

@@ -13,7 +13,8 @@ Forward, for this rank's ``L`` experts:
 
 Where the Triton forward serves the operands (``grouped.forward_tiles``), steps 2 and 3 are one kernel
 (the activation is its epilogue; it writes ``h`` only when a backward will need it) and step 4 is lck's
-grouped GEMM.
+grouped GEMM. On the local path with no backward to follow, that kernel also does step 1's gather, reading
+each row from the tokens as it needs it: no gathered copy is written.
 
 Backward runs the same steps in reverse: the combine's backward is a dispatch of the output gradient with
 the cached handle, the dispatch's backward a combine of the rows' input gradients. The routing weights'
@@ -146,12 +147,19 @@ class MoEFunction(torch.autograd.Function):
         if buf is None:
             # On CUDA the layout asserts on the device that every id is in [-1, E) (no host read).
             layout = build_local_layout(idx, plan.num_experts, plan.alignment)
-            x_e, w_e = launch.gather_rows(x, layout.entry, k, tw.reshape(-1))
-            assert w_e is not None
-            h, y_e = _experts_fwd(x_e, w_e, w1, w2, layout.ends, tiles, plan.retain)
-            out = launch.reduce_rows(y_e, layout.index)
-            saved = (x_e, h, w_e, layout.ends, layout.entry, layout.index)
             handle = None
+            if tiles is not None and not plan.retain:
+                # No backward follows, so nothing needs the gathered rows: the first GEMM reads them from x.
+                act = grouped.gemm_swiglu_gather(x, layout.entry, tw.reshape(-1), k, w1, layout.ends, tiles)
+                y_e = grouped.mm_tiled(act, w2, layout.ends, tiles)
+                del act
+                saved = ()
+            else:
+                x_e, w_e = launch.gather_rows(x, layout.entry, k, tw.reshape(-1))
+                assert w_e is not None
+                h, y_e = _experts_fwd(x_e, w_e, w1, w2, layout.ends, tiles, plan.retain)
+                saved = (x_e, h, w_e, layout.ends, layout.entry, layout.index)
+            out = launch.reduce_rows(y_e, layout.index)
         else:
             d = buf.dispatch(x, idx.contiguous(), tw, expand=True, expert_alignment=plan.alignment)
             handle = d.handle

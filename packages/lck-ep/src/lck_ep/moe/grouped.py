@@ -170,6 +170,35 @@ def gemm_swiglu(
     return h, act
 
 
+def gemm_swiglu_gather(
+    x: torch.Tensor,
+    entry: torch.Tensor,
+    w_flat: torch.Tensor,
+    num_topk: int,
+    w1: torch.Tensor,
+    ends: torch.Tensor,
+    tiles: Tiles,
+) -> torch.Tensor:
+    """``act [M, F]`` of :func:`gemm_swiglu` (without ``h``) for the rows ``x[entry[m] // num_topk]`` (zero
+    where ``entry[m] < 0``, as ``launch.gather_rows`` gives them) with the routing weights
+    ``w_flat[entry[m]]``, read from ``x`` ``[T, hidden]`` (contiguous) as the kernel needs them: no gathered
+    copy. Rows past ``ends[-1]`` are left undefined. No host synchronisation."""
+    m = entry.numel()
+    e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
+    act = torch.empty(m, ffn, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return act
+    t = tiles.gemm1
+    bn, bk = t.block_n, t.block_k
+    launch.run(_kernels()._swiglu_gemm_gather_kernel, _grid(t, m, e, ffn, x.device),
+        x, entry, w_flat, _descriptor(w1.view(e * hidden, 2 * ffn), [bk, bn]), ends, act, hidden, ffn,
+        x.stride(0), num_topk, act.stride(0), NUM_E=e, E_BLOCK=max(2, launch.next_pow2(e)), BLOCK_M=t.block_m,
+        BLOCK_N=bn, BLOCK_K=bk, FLATTEN=t.flatten, WARP_SPECIALIZE=t.warp_specialize, num_warps=t.warps,
+        num_stages=t.stages,
+    )  # fmt: skip
+    return act
+
+
 def mm_tiled(
     a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, tiles: Tiles, out: torch.Tensor | None = None
 ) -> torch.Tensor:
