@@ -100,7 +100,7 @@ def _swiglu_gemm_one_acc_kernel(
 def _swiglu_gemm_gather_kernel(
     x_ptr, entry_ptr, wf_ptr, b_desc, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_x, num_topk, stride_h,
     stride_act, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SRC_I64: tl.constexpr = True,
 ):
     """The layer's fused first GEMM on a persistent grid with its rows gathered from the tokens: row m of a
     tile is ``x[entry[m] // num_topk]`` (zero where ``entry[m] < 0`` or m is past the segment), loaded with
@@ -113,8 +113,11 @@ def _swiglu_gemm_gather_kernel(
         row_ok = rows < end
         ent = tl.load(entry_ptr + rows, mask=row_ok, other=-1)
         valid = ent >= 0
-        src = tl.where(valid, ent // num_topk, 0).to(tl.int64)
-        a_ptrs = x_ptr + src[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+        src = tl.where(valid, ent // num_topk, 0)
+        if SRC_I64:
+            a_ptrs = x_ptr + src.to(tl.int64)[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+        else:  # 32-bit row offsets (the token rows fit in 2**31 elements): fewer registers
+            a_ptrs = x_ptr + (src.to(tl.int32) * stride_x)[:, None] + tl.arange(0, BLOCK_K)[None, :]
         b_row = e * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -141,7 +144,7 @@ def _swiglu_gemm_gather_kernel(
 # fmt: on
 
 
-def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg):
+def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg, src_i64=True):
     """:func:`lck_ep.moe.grouped.gemm_swiglu` with the row gather inside (``_swiglu_gemm_gather_kernel``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -155,7 +158,7 @@ def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg):
     _swiglu_gemm_gather_kernel[grid](
         x, entry, wf, TensorDescriptor.from_tensor(w1.view(e * hidden, 2 * ffn), [bk, bn]), ends, h, act, hidden,
         ffn, x.stride(0), num_topk, h.stride(0), act.stride(0), NUM_E=e, E_BLOCK=max(2, triton.next_power_of_2(e)),
-        WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SRC_I64=src_i64, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return act
 
@@ -469,6 +472,13 @@ def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
         for stages in (3, 4):
             runs[f"fused_gather_s{stages}"] = lambda keep_h=keep_h, stages=stages: swiglu_gather(
                 x, lay.entry, wf, w1, lay.ends, k, keep_h, (128, 128, 64, 8, stages)
+            )
+        runs["fused_gather_s4_i32"] = lambda keep_h=keep_h: swiglu_gather(
+            x, lay.entry, wf, w1, lay.ends, k, keep_h, (128, 128, 64, 8, 4), src_i64=False
+        )
+        if not keep_h:
+            runs["fused_gather_layer_kernel"] = lambda: grouped.gemm_swiglu_gather(
+                x, lay.entry, wf, k, w1, lay.ends, tiles
             )
         want = separate()[:rows].float()
         for name, fn in runs.items():
