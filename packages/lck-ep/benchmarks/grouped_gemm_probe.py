@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lck_ep.moe.gemm_kernels import _locate, _tile_counts
+from lck_ep.moe.gemm_kernels import _locate, _swiglu_store, _tile_counts
 
 # fmt: off
 
@@ -141,7 +141,101 @@ def _swiglu_gemm_gather_kernel(
                  mask=out_ok)
 
 
+@triton.jit
+def _swiglu_gemm_half_tail_kernel(
+    a_desc, a_half_desc, b_desc, w_ptr, ends_ptr, act_ptr, hidden, ffn, stride_act, NUM_E: tl.constexpr,
+    E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The layer's TMA first GEMM (no ``h``, persistent) where a segment's last row tile holding at most
+    ``BLOCK_M // 2`` rows runs at that height in place (a branch per tile): fewer products for nothing."""
+    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
+    n_tiles = ffn // BLOCK_N
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0)):
+        e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
+        b_row = e * hidden
+        if end - row0 <= BLOCK_M // 2:
+            acc_g = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+            for k in range(0, hidden, BLOCK_K):
+                a = a_half_desc.load([row0, k])
+                acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+                acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+            rows = row0 + tl.arange(0, BLOCK_M // 2)
+            row_ok = rows < end
+            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+            _swiglu_store(acc_g, acc_u, w, rows, row_ok, col0, act_ptr, act_ptr, ffn, 0, stride_act, False, BLOCK_N)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, hidden, BLOCK_K):
+                a = a_desc.load([row0, k])
+                acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+                acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+            _swiglu_store(acc_g, acc_u, w, rows, row_ok, col0, act_ptr, act_ptr, ffn, 0, stride_act, False, BLOCK_N)
+
+
 # fmt: on
+
+
+def swiglu_half_tail(a, w, w1, ends):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = 128, 128, 64
+    e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
+    act = torch.empty(a.shape[0], ffn, dtype=a.dtype, device=a.device)
+    grid = (torch.cuda.get_device_properties(a.device).multi_processor_count,)
+    _swiglu_gemm_half_tail_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(a, [bm // 2, bk]),
+        TensorDescriptor.from_tensor(w1.view(e * hidden, 2 * ffn), [bk, bn]), w, ends, act, hidden, ffn,
+        act.stride(0), NUM_E=e, E_BLOCK=max(2, triton.next_power_of_2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=8, num_stages=4,
+    )  # fmt: skip
+    return act
+
+
+class _Energy:
+    """The GPU's energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded),
+    read through ctypes: energy per call = the counter's rise over a long loop of calls."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        assert self._nvml.nvmlInit_v2() == 0
+        self._handle = ctypes.c_void_p()
+        index = torch.cuda.current_device()
+        assert self._nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._handle)) == 0
+        self._ct = ctypes
+
+    def mj(self) -> int:
+        value = self._ct.c_ulonglong()
+        assert self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, self._ct.byref(value)) == 0
+        return int(value.value)
+
+
+def _energy_of(fn: Any, energy: _Energy, seconds: float = 2.0) -> dict[str, Any]:
+    """GPU time, loop time (50 calls, as the bench) and, over a loop of about ``seconds``, the loop time and
+    the energy per call (mJ) with the mean power (W)."""
+    import time
+
+    out = _measure(fn, loop_iters=50, loop_warmup=5)
+    n = max(50, int(seconds / (out["loop_ms"] * 1e-3)))
+    torch.cuda.synchronize()
+    time.sleep(0.5)  # let the counter and the clocks settle after the shorter loops
+    e0 = energy.mj()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    e1 = energy.mj()
+    ms = start.elapsed_time(end)
+    out.update(long_loop_calls=n, long_loop_ms=ms / n, mj_per_call=(e1 - e0) / n, mean_w=(e1 - e0) / ms)
+    return out
 
 
 def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg, src_i64=True):
@@ -495,6 +589,64 @@ def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _energy(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
+    """Energy per forward of the layer's steps and of the whole forward without backward, two ways: the
+    row gather then the TMA first GEMM, or the first GEMM gathering its rows (the layer's choice now), and
+    the TMA first GEMM with half-height last tiles in place. Each row: GPU time, the bench's loop of 50,
+    a loop of about 2 s with its energy per call and mean power."""
+    from lck_ep.moe import grouped, launch
+    from lck_ep.moe.permute import build_local_layout
+
+    e, k = w1.shape[0], wt.shape[1]
+    tiles = grouped.forward_tiles(x, w1, w2)
+    wf = wt.reshape(-1).float().contiguous()
+    energy = _Energy()
+    lay = build_local_layout(idx, e, 1)
+    x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
+    act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)[1]
+    rows = int(lay.ends[-1])
+
+    def forward(gathering: bool) -> Any:
+        lay_ = build_local_layout(idx, e, 1)
+        if gathering:
+            a = grouped.gemm_swiglu_gather(x, lay_.entry, wf, k, w1, lay_.ends, tiles)
+        else:
+            xe, we = launch.gather_rows(x, lay_.entry, k, wf)
+            a = grouped.gemm_swiglu(xe, we, w1, lay_.ends, tiles, False)[1]
+        return launch.reduce_rows(grouped.mm_tiled(a, w2, lay_.ends, tiles), lay_.index)
+
+    runs = {
+        "layer_fwd_gather_then_gemm": lambda: forward(False),
+        "layer_fwd_gathering_gemm": lambda: forward(True),
+        "gather_rows": lambda: launch.gather_rows(x, lay.entry, k, wf)[0],
+        "gemm1_tma": lambda: grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)[1],
+        "gemm1_tma_half_tail": lambda: swiglu_half_tail(x_e, w_e, w1, lay.ends),
+        "gemm1_gathering": lambda: grouped.gemm_swiglu_gather(x, lay.entry, wf, k, w1, lay.ends, tiles),
+        "gemm2_tma": lambda: grouped.mm_tiled(act, w2, lay.ends, tiles),
+        "reduce_rows": lambda: launch.reduce_rows(
+            act.new_empty(act.shape[0], x.shape[1]).normal_(), lay.index
+        ),
+    }
+    want = forward(False)
+    out: list[dict[str, Any]] = []
+    for name, fn in runs.items():
+        rec: dict[str, Any] = {"gemm": "energy", "provider": name}
+        try:
+            if name == "layer_fwd_gathering_gemm":
+                rec["max_rel_diff"] = float((fn() - want).abs().max() / want.abs().max())
+            if name == "gemm1_tma_half_tail":
+                got = fn()[:rows].float()
+                rec["max_rel_diff"] = float(
+                    (got - act[:rows].float()).abs().max() / act[:rows].float().abs().max()
+                )
+            rec.update(_energy_of(fn, energy))
+        except Exception as exc:
+            rec["error"] = repr(exc)[-600:]
+        out.append(rec)
+        print(rec, flush=True)
+    return out
+
+
 def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
     """Whether the rows a partial tile computes for nothing cost less when they are zeros: the same tiles on
     the unpadded layout (a segment's last tile reads the next expert's rows) and on the layout padded with
@@ -540,7 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
-        "--part", choices=["all", "tiles", "tiles2", "persist", "pingpong", "zeros", "gather"], default="all"
+        "--part",
+        choices=["all", "tiles", "tiles2", "persist", "pingpong", "zeros", "gather", "energy"],
+        default="all",
     )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -564,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "gather":
         xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
         records += _gather_fused(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1)
+    if args.part == "energy":
+        xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
+        records += _energy(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2)
     if args.part == "zeros":
         xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
         records += _zeros(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2)
