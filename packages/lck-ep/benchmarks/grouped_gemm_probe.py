@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lck_ep.moe.gemm_kernels import _locate, _swiglu_store, _tile_counts
+from lck_ep.moe.gemm_kernels import _locate, _swiglu_acc, _swiglu_store, _tile_counts
 
 # fmt: off
 
@@ -97,51 +97,6 @@ def _swiglu_gemm_one_acc_kernel(
 
 
 @triton.jit
-def _swiglu_gemm_gather_kernel(
-    x_ptr, entry_ptr, wf_ptr, b_desc, ends_ptr, h_ptr, act_ptr, hidden, ffn, stride_x, num_topk, stride_h,
-    stride_act, NUM_E: tl.constexpr, E_BLOCK: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SRC_I64: tl.constexpr = True,
-):
-    """The layer's fused first GEMM on a persistent grid with its rows gathered from the tokens: row m of a
-    tile is ``x[entry[m] // num_topk]`` (zero where ``entry[m] < 0`` or m is past the segment), loaded with
-    pointer loads (cp.async) instead of TMA reads of a gathered copy; its routing weight ``wf[entry[m]]``."""
-    tiles, cum = _tile_counts(ends_ptr, NUM_E, E_BLOCK, BLOCK_M)
-    n_tiles = ffn // BLOCK_N
-    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0)):
-        e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        ent = tl.load(entry_ptr + rows, mask=row_ok, other=-1)
-        valid = ent >= 0
-        src = tl.where(valid, ent // num_topk, 0)
-        if SRC_I64:
-            a_ptrs = x_ptr + src.to(tl.int64)[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
-        else:  # 32-bit row offsets (the token rows fit in 2**31 elements): fewer registers
-            a_ptrs = x_ptr + (src.to(tl.int32) * stride_x)[:, None] + tl.arange(0, BLOCK_K)[None, :]
-        b_row = e * hidden
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, hidden, BLOCK_K):
-            a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)
-            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
-        g = acc_g.to(act_ptr.dtype.element_ty)
-        u = acc_u.to(act_ptr.dtype.element_ty)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        r64 = rows.to(tl.int64)
-        out_ok = row_ok[:, None] & (cols < ffn)[None, :]
-        if WRITE_H:
-            h_rows = h_ptr + r64[:, None] * stride_h + cols[None, :]
-            tl.store(h_rows, g, mask=out_ok)
-            tl.store(h_rows + ffn, u, mask=out_ok)
-        w = tl.load(wf_ptr + tl.where(valid, ent, 0), mask=valid, other=0.0)
-        gf = g.to(tl.float32)
-        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
-        tl.store(act_ptr + r64[:, None] * stride_act + cols[None, :], (act * w[:, None]).to(act_ptr.dtype.element_ty),
-                 mask=out_ok)
-
-
-@triton.jit
 def _swiglu_gemm_half_tail_kernel(
     a_desc, a_half_desc, b_desc, w_ptr, ends_ptr, act_ptr, hidden, ffn, stride_act, NUM_E: tl.constexpr,
     E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -152,29 +107,19 @@ def _swiglu_gemm_half_tail_kernel(
     n_tiles = ffn // BLOCK_N
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0)):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
-        b_row = e * hidden
         if end - row0 <= BLOCK_M // 2:
-            acc_g = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
-            for k in range(0, hidden, BLOCK_K):
-                a = a_half_desc.load([row0, k])
-                acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-                acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+            acc_g, acc_u = _swiglu_acc(a_half_desc, b_desc, row0, e * hidden, col0, hidden, ffn, BLOCK_M // 2,
+                                       BLOCK_N, BLOCK_K)
             rows = row0 + tl.arange(0, BLOCK_M // 2)
-            row_ok = rows < end
-            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            _swiglu_store(acc_g, acc_u, w, rows, row_ok, col0, act_ptr, act_ptr, ffn, 0, stride_act, False, BLOCK_N)
+            w = tl.load(w_ptr + rows, mask=rows < end, other=0.0)
+            _swiglu_store(acc_g, acc_u, w, rows, rows < end, col0, act_ptr, act_ptr, ffn, 0, stride_act, False,
+                          BLOCK_N)
         else:
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, hidden, BLOCK_K):
-                a = a_desc.load([row0, k])
-                acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-                acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+            acc_g, acc_u = _swiglu_acc(a_desc, b_desc, row0, e * hidden, col0, hidden, ffn, BLOCK_M, BLOCK_N, BLOCK_K)
             rows = row0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < end
-            w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            _swiglu_store(acc_g, acc_u, w, rows, row_ok, col0, act_ptr, act_ptr, ffn, 0, stride_act, False, BLOCK_N)
+            w = tl.load(w_ptr + rows, mask=rows < end, other=0.0)
+            _swiglu_store(acc_g, acc_u, w, rows, rows < end, col0, act_ptr, act_ptr, ffn, 0, stride_act, False,
+                          BLOCK_N)
 
 
 # fmt: on
@@ -221,40 +166,17 @@ def _energy_of(fn: Any, energy: _Energy, seconds: float = 2.0) -> dict[str, Any]
     the energy per call (mJ) with the mean power (W)."""
     import time
 
+    from lck_runtime.benchmarking import time_loop
+
     out = _measure(fn, loop_iters=50, loop_warmup=5)
     n = max(50, int(seconds / (out["loop_ms"] * 1e-3)))
     torch.cuda.synchronize()
     time.sleep(0.5)  # let the counter and the clocks settle after the shorter loops
     e0 = energy.mj()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
+    ms = time_loop(fn, iters=n, warmup=0) * n  # synchronised at both ends: the counter brackets the loop
     e1 = energy.mj()
-    ms = start.elapsed_time(end)
     out.update(long_loop_calls=n, long_loop_ms=ms / n, mj_per_call=(e1 - e0) / n, mean_w=(e1 - e0) / ms)
     return out
-
-
-def swiglu_gather(x, entry, wf, w1, ends, num_topk, keep_h, cfg, src_i64=True):
-    """:func:`lck_ep.moe.grouped.gemm_swiglu` with the row gather inside (``_swiglu_gemm_gather_kernel``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bm, bn, bk, warps, stages = cfg
-    m = entry.numel()
-    e, hidden, ffn = w1.shape[0], w1.shape[1], w1.shape[2] // 2
-    act = torch.empty(m, ffn, dtype=x.dtype, device=x.device)
-    h = torch.empty(m, 2 * ffn, dtype=x.dtype, device=x.device) if keep_h else act
-    most = (triton.cdiv(m, bm) + e) * (ffn // bn)
-    grid = (min(most, torch.cuda.get_device_properties(x.device).multi_processor_count),)
-    _swiglu_gemm_gather_kernel[grid](
-        x, entry, wf, TensorDescriptor.from_tensor(w1.view(e * hidden, 2 * ffn), [bk, bn]), ends, h, act, hidden,
-        ffn, x.stride(0), num_topk, h.stride(0), act.stride(0), NUM_E=e, E_BLOCK=max(2, triton.next_power_of_2(e)),
-        WRITE_H=keep_h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SRC_I64=src_i64, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return act
 
 
 def swiglu_one_acc(a, w, w1, ends, cfg):
@@ -536,56 +458,52 @@ def _pingpong(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) ->
 
 
 def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
-    """The row gather plus the TMA first GEMM (the layer's forward) against one kernel that gathers its rows
-    itself (``_swiglu_gemm_gather_kernel``, persistent), with and without ``h``; outputs compared on the rows
-    in use."""
+    """The row gather plus the TMA first GEMM (no ``h``) against the layer's kernel that gathers its rows
+    itself (``grouped.gemm_swiglu_gather``), and each of the first two alone; outputs compared on the rows in
+    use. (866c072 and 328ffee also timed a copy of that kernel at 3 stages, with 32-bit row offsets and
+    writing ``h``: none faster.)"""
     from lck_ep.moe import grouped, launch
     from lck_ep.moe.permute import build_local_layout
 
     e, k = w1.shape[0], wt.shape[1]
-    tiles = grouped.forward_tiles(
-        x, w1, torch.empty(e, w1.shape[2] // 2, x.shape[1], device=x.device, dtype=x.dtype)
-    )
+    w2 = torch.empty(e, w1.shape[2] // 2, x.shape[1], device=x.device, dtype=x.dtype)
+    tiles = grouped.forward_tiles(x, w1, w2)
     lay = build_local_layout(idx, e, 1)
     wf = wt.reshape(-1).float().contiguous()
     rows = int(lay.ends[-1])
+    x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
+
+    def separate() -> Any:
+        return grouped.gemm_swiglu(*launch.gather_rows(x, lay.entry, k, wf), w1, lay.ends, tiles, False)[1]
+
+    runs = {
+        "gather_then_tma_gemm": separate,
+        "gather_alone": lambda: launch.gather_rows(x, lay.entry, k, wf)[0],
+        "tma_gemm_alone": lambda: grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)[1],
+        "fused_gather_layer_kernel": lambda: grouped.gemm_swiglu_gather(
+            x, lay.entry, wf, k, w1, lay.ends, tiles
+        ),
+    }
+    want = {"fused_gather_layer_kernel": separate()[:rows].float()}
+    return _records("gemm1_gather", runs, want, lambda fn: _measure(fn, loop_iters=50, loop_warmup=5))
+
+
+def _records(gemm: str, runs: dict[str, Any], want: dict[str, Any], measure: Any) -> list[dict[str, Any]]:
+    """One record per run: its largest difference from ``want[name]`` relative to that output's largest
+    magnitude (on the reference's rows) where given, then ``measure(fn)``; a failure is recorded."""
     out: list[dict[str, Any]] = []
-    for keep_h in (False, True):
-
-        def separate(keep_h: bool = keep_h) -> Any:
-            x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
-            return grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, keep_h)[1]
-
-        runs = {"gather_then_tma_gemm": separate}
-        if not keep_h:
-            x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
-            runs["gather_alone"] = lambda: launch.gather_rows(x, lay.entry, k, wf)[0]
-            runs["tma_gemm_alone"] = lambda x_e=x_e, w_e=w_e: grouped.gemm_swiglu(
-                x_e, w_e, w1, lay.ends, tiles, False
-            )[1]
-        for stages in (3, 4):
-            runs[f"fused_gather_s{stages}"] = lambda keep_h=keep_h, stages=stages: swiglu_gather(
-                x, lay.entry, wf, w1, lay.ends, k, keep_h, (128, 128, 64, 8, stages)
-            )
-        runs["fused_gather_s4_i32"] = lambda keep_h=keep_h: swiglu_gather(
-            x, lay.entry, wf, w1, lay.ends, k, keep_h, (128, 128, 64, 8, 4), src_i64=False
-        )
-        if not keep_h:
-            runs["fused_gather_layer_kernel"] = lambda: grouped.gemm_swiglu_gather(
-                x, lay.entry, wf, k, w1, lay.ends, tiles
-            )
-        want = separate()[:rows].float()
-        for name, fn in runs.items():
-            rec: dict[str, Any] = {"gemm": "gemm1_gather", "provider": name + ("_h" if keep_h else "")}
-            try:
-                if name.startswith("fused"):
-                    got = fn()[:rows].float()
-                    rec["max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
-                rec.update(_measure(fn, loop_iters=50, loop_warmup=5))
-            except Exception as exc:
-                rec["error"] = repr(exc)[-600:]
-            out.append(rec)
-            print(rec, flush=True)
+    for name, fn in runs.items():
+        rec: dict[str, Any] = {"gemm": gemm, "provider": name}
+        try:
+            if name in want:
+                ref = want[name]
+                got = fn()[: ref.shape[0]].float()
+                rec["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
+            rec.update(measure(fn))
+        except Exception as exc:
+            rec["error"] = repr(exc)[-600:]
+        out.append(rec)
+        print(rec, flush=True)
     return out
 
 
@@ -604,6 +522,7 @@ def _energy(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]
     lay = build_local_layout(idx, e, 1)
     x_e, w_e = launch.gather_rows(x, lay.entry, k, wf)
     act = grouped.gemm_swiglu(x_e, w_e, w1, lay.ends, tiles, False)[1]
+    y_e = grouped.mm_tiled(act, w2, lay.ends, tiles)
     rows = int(lay.ends[-1])
 
     def forward(gathering: bool) -> Any:
@@ -623,28 +542,10 @@ def _energy(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]
         "gemm1_tma_half_tail": lambda: swiglu_half_tail(x_e, w_e, w1, lay.ends),
         "gemm1_gathering": lambda: grouped.gemm_swiglu_gather(x, lay.entry, wf, k, w1, lay.ends, tiles),
         "gemm2_tma": lambda: grouped.mm_tiled(act, w2, lay.ends, tiles),
-        "reduce_rows": lambda: launch.reduce_rows(
-            act.new_empty(act.shape[0], x.shape[1]).normal_(), lay.index
-        ),
+        "reduce_rows": lambda: launch.reduce_rows(y_e, lay.index),
     }
-    want = forward(False)
-    out: list[dict[str, Any]] = []
-    for name, fn in runs.items():
-        rec: dict[str, Any] = {"gemm": "energy", "provider": name}
-        try:
-            if name == "layer_fwd_gathering_gemm":
-                rec["max_rel_diff"] = float((fn() - want).abs().max() / want.abs().max())
-            if name == "gemm1_tma_half_tail":
-                got = fn()[:rows].float()
-                rec["max_rel_diff"] = float(
-                    (got - act[:rows].float()).abs().max() / act[:rows].float().abs().max()
-                )
-            rec.update(_energy_of(fn, energy))
-        except Exception as exc:
-            rec["error"] = repr(exc)[-600:]
-        out.append(rec)
-        print(rec, flush=True)
-    return out
+    want = {"layer_fwd_gathering_gemm": forward(False).float(), "gemm1_tma_half_tail": act[:rows].float()}
+    return _records("energy", runs, want, lambda fn: _energy_of(fn, energy))
 
 
 def _zeros(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:

@@ -73,18 +73,26 @@ def _swiglu_gemm_kernel(
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * n_tiles, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         e, row0, end, col0 = _locate(ends_ptr, tile, n_tiles, tiles, cum, BLOCK_M, BLOCK_N)
-        b_row = e * hidden
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, hidden, BLOCK_K):
-            a = a_desc.load([row0, k])
-            acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
-            acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+        acc_g, acc_u = _swiglu_acc(a_desc, b_desc, row0, e * hidden, col0, hidden, ffn, BLOCK_M, BLOCK_N, BLOCK_K)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
         _swiglu_store(acc_g, acc_u, w, rows, row_ok, col0, h_ptr, act_ptr, ffn, stride_h, stride_act, WRITE_H,
                       BLOCK_N)
+
+
+@triton.jit
+def _swiglu_acc(a_desc, b_desc, row0, b_row, col0, hidden, ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The gate and up accumulators (float32) of rows ``row0 ..`` of ``a_desc`` times W1's rows ``b_row ..``
+    at gate column ``col0`` (up column ``ffn + col0``)."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        a = a_desc.load([row0, k])
+        acc_g = tl.dot(a, b_desc.load([b_row + k, col0]), acc_g)
+        acc_u = tl.dot(a, b_desc.load([b_row + k, ffn + col0]), acc_u)
+    return acc_g, acc_u
 
 
 @triton.jit
