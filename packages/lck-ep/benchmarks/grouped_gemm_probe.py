@@ -457,7 +457,7 @@ def _pingpong(lay: Any, x_e: Any, act: Any, w1: Any, w2: Any, layer_run: Any) ->
     return out
 
 
-def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
+def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any, w2: Any) -> list[dict[str, Any]]:
     """The row gather plus the TMA first GEMM (no ``h``) against the layer's kernel that gathers its rows
     itself (``grouped.gemm_swiglu_gather``), and each of the first two alone; outputs compared on the rows in
     use. (866c072 and 328ffee also timed a copy of that kernel at 3 stages, with 32-bit row offsets and
@@ -466,7 +466,6 @@ def _gather_fused(idx: Any, x: Any, wt: Any, w1: Any) -> list[dict[str, Any]]:
     from lck_ep.moe.permute import build_local_layout
 
     e, k = w1.shape[0], wt.shape[1]
-    w2 = torch.empty(e, w1.shape[2] // 2, x.shape[1], device=x.device, dtype=x.dtype)
     tiles = grouped.forward_tiles(x, w1, w2)
     lay = build_local_layout(idx, e, 1)
     wf = wt.reshape(-1).float().contiguous()
@@ -623,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         records += _tiles2(lay, x_e, act, w1, w2)
     if args.part == "gather":
         xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
-        records += _gather_fused(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1)
+        records += _gather_fused(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2)
     if args.part == "energy":
         xt = torch.randn(t, h, device=dev, dtype=torch.bfloat16) * 0.5
         records += _energy(idx, xt, torch.rand(t, k, device=dev).softmax(-1), w1, w2, args.only)
