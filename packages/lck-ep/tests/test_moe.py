@@ -199,7 +199,7 @@ def test_triton_forward_tiles_only_where_they_fit(interpret, monkeypatch) -> Non
     assert grouped.forward_tiles(x, torch.randn(2, 48, 20), torch.randn(2, 10, 48)) is None  # ffn 10
     assert grouped.forward_tiles(x, torch.randn(2, 64, 48).transpose(1, 2), torch.randn(2, 32, 48)) is None
     w1, w2 = torch.randn(2, 48, 64, dtype=torch.bfloat16), torch.randn(2, 32, 48, dtype=torch.bfloat16)
-    assert grouped.forward_tiles(x.bfloat16(), w1, w2) is None  # the interpreter's descriptors: float32 only
+    assert grouped.forward_tiles(x.bfloat16(), w1, w2) is None  # the interpreter: float32 only
     monkeypatch.setenv("LCK_EP_MOE_FUSED", "0")
     assert grouped.forward_tiles(x, torch.randn(2, 48, 64), torch.randn(2, 32, 48)) is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -285,8 +285,8 @@ def test_local_path_matches_float64(monkeypatch, triton: bool) -> None:
 
 
 def test_cpu_bf16_under_the_interpreter_matches_float64(interpret) -> None:
-    """bf16 CPU tensors under TRITON_INTERPRET=1: the interpreter's tensor descriptors mishandle bf16, so the
-    TMA GEMMs step aside (the separate passes run) and the output still follows the formula."""
+    """bf16 CPU tensors under TRITON_INTERPRET=1: the TMA GEMMs gave wrong values there, so they step aside
+    (the separate passes run) and the output follows the formula."""
     from lck_ep import MoEExperts
 
     g = torch.Generator().manual_seed(SEED % 2**31)

@@ -96,7 +96,7 @@ def forward_tiles(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Tiles 
         # 128 x 256 output tiles (both GEMMs), 64-deep steps, 4 stages: measured best of seven on an H200.
         bm, bk, warps, stages, n1, n2 = 128, 64, 8, 4, (128, 64), (256, 128, 64)
     elif x.device.type == "cpu" and launch.interpreting() and x.dtype == torch.float32:
-        # float32 only: the interpreter's tensor descriptors give wrong values for bf16 operands
+        # float32 only: under the interpreter these kernels gave wrong values for bf16 (the separate passes do not)
         bm, bk, warps, stages, n1, n2 = 16, 16, 1, 1, (16, 8), (16, 8)
     else:
         return None
