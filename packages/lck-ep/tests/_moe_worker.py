@@ -98,7 +98,9 @@ def reference(inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _close(errors: list[str], where: str, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def _close(
+    errors: list[str], where: str, name: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL
+) -> None:
     got = got.detach().double().cpu()
     if got.shape != want.shape:
         errors.append(f"{where}: {name} has shape {list(got.shape)}, expected {list(want.shape)}")
@@ -107,14 +109,22 @@ def _close(errors: list[str], where: str, name: str, got: torch.Tensor, want: to
         return
     scale = max(1.0, float(want.abs().max()))
     err = float((got - want).abs().max())
-    if not err <= TOL * scale:  # NaN fails too
-        errors.append(f"{where}: {name} max error {err:.3e} > {TOL * scale:.1e} against float64")
+    if not err <= tol * scale:  # NaN fails too
+        errors.append(f"{where}: {name} max error {err:.3e} > {tol * scale:.1e} against float64")
 
 
-def _module(rank: int, world: int, group: Any, inputs: dict[str, Any], case: Case, buffer: Any = None):
+def _module(
+    rank: int,
+    world: int,
+    group: Any,
+    inputs: dict[str, Any],
+    case: Case,
+    buffer: Any = None,
+    dtype: torch.dtype = torch.float32,
+):
     from lck_ep import MoEExperts
 
-    m = MoEExperts(E, H, F, group=group, buffer=buffer, dtype=torch.float32, expert_alignment=case.alignment)
+    m = MoEExperts(E, H, F, group=group, buffer=buffer, dtype=dtype, expert_alignment=case.alignment)
     lo, hi = rank * E // world, (rank + 1) * E // world
     with torch.no_grad():
         m.weight1.copy_(inputs["w1"][lo:hi])
@@ -122,12 +132,14 @@ def _module(rank: int, world: int, group: Any, inputs: dict[str, Any], case: Cas
     return m
 
 
-def run_layer(m: Any, rank: int, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+def run_layer(
+    m: Any, rank: int, inputs: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     x, idx, w, dy = inputs["ranks"][rank]
-    xf = x.float().requires_grad_()
+    xf = x.to(dtype).requires_grad_()
     wf = w.float().requires_grad_()
     y = m(xf, idx, wf)
-    y.backward(dy.float())
+    y.backward(dy.to(dtype))
     return {"y": y.detach(), "dx": xf.grad, "dw": wf.grad, "dw1": m.weight1.grad, "dw2": m.weight2.grad}
 
 

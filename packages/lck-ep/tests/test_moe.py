@@ -286,24 +286,19 @@ def test_local_path_matches_float64(monkeypatch, triton: bool) -> None:
 
 def test_cpu_bf16_under_the_interpreter_matches_float64(interpret) -> None:
     """bf16 CPU tensors under TRITON_INTERPRET=1: the TMA GEMMs gave wrong values there, so they step aside
-    (the separate passes run) and the output follows the formula."""
-    from lck_ep import MoEExperts
+    (the separate passes run) and the output and gradients follow the formula."""
+    from _moe_worker import CASES, _close, _module, make_inputs, reference, run_layer
 
-    g = torch.Generator().manual_seed(SEED % 2**31)
-    e, h, f, t, k = 4, 64, 64, 24, 2
-    m = MoEExperts(e, h, f, dtype=torch.bfloat16)
-    x = torch.randn(t, h, generator=g).bfloat16()
-    idx = torch.rand(t, e, generator=g).argsort(1)[:, :k]
-    w = torch.rand(t, k, generator=g)
-    with torch.no_grad():
-        y = m(x, idx, w)
-    w1, w2 = m.weight1.detach().double(), m.weight2.detach().double()
-    hh = torch.einsum("th,ehf->etf", x.double(), w1)
-    y_all = torch.einsum("etf,efh->eth", torch.nn.functional.silu(hh[..., :f]) * hh[..., f:], w2)
-    ref = sum(w[:, s : s + 1].double() * y_all[idx[:, s], torch.arange(t)] for s in range(k))
-    scale = max(1.0, float(ref.abs().max()))
-    err = float((y.double() - ref).abs().max())
-    assert err <= 2e-2 * scale, f"seed {SEED}: max error {err:.3e} vs float64 (scale {scale:.2f})"
+    case = CASES[6]
+    inputs = make_inputs(case, 1, SEED)
+    ref = reference(inputs)
+    got = run_layer(_module(0, 1, None, inputs, case, dtype=torch.bfloat16), 0, inputs, dtype=torch.bfloat16)
+    errors: list[str] = []
+    for name, want in (("y", ref["y"][0]), ("dx", ref["dx"][0]), ("dw", ref["dw"][0])):
+        _close(errors, f"seed {SEED}", name, got[name], want, tol=2e-2)
+    _close(errors, f"seed {SEED}", "dw1", got["dw1"], ref["dw1"], tol=2e-2)
+    _close(errors, f"seed {SEED}", "dw2", got["dw2"], ref["dw2"], tol=2e-2)
+    assert not errors, "\n".join(errors)
 
 
 def test_frozen_experts_still_give_input_gradients(interpret) -> None:
